@@ -1,0 +1,89 @@
+"""Settings, read once from the environment and validated as a whole.
+
+Observation is default-off. A bad value raises ``ConfigError`` naming the
+setting; callers then keep observation off rather than half on.
+Exporter settings are the standard ``OTEL_*`` variables, read by the
+OpenTelemetry SDK and exporters themselves (see ``telemetry/providers.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_ENABLED = "KVOBS_OTEL_ENABLED"
+ENV_RECEIPT_DEADLINE = "KVOBS_OTEL_RECEIPT_DEADLINE_S"
+ENV_BUFFER_SIZE = "KVOBS_OTEL_BUFFER_SIZE"
+ENV_TRAFFIC_RATIO = "KVOBS_OTEL_TRAFFIC_SAMPLE_RATIO"
+ENV_ROSTER_CAP = "KVOBS_OTEL_ROSTER_CAP"
+ENV_DRAIN_INTERVAL = "KVOBS_OTEL_DRAIN_INTERVAL_S"
+ENV_DEVICE_TYPE = "KVOBS_OTEL_DEVICE_TYPE"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = False
+    # A job still missing ranks this long after creation ends as ERROR.
+    receipt_deadline_s: float = 5.0
+    # Bound of the serving-path buffer, in events; when full, events drop.
+    buffer_size: int = 65536
+    # Share of per-request traces of ordinary offload traffic that is kept.
+    # Recovery episodes are always kept (the Collector's tail sampling
+    # decides what the trace stores retain).
+    traffic_sample_ratio: float = 1.0
+    # Longest id list put on one attribute; the rest is counted.
+    roster_cap: int = 64
+    drain_interval_s: float = 0.05
+    # "auto" asks vLLM's platform; cuda/npu/cpu/xpu force it.
+    device_type: str = "auto"
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected one of true/false/1/0/yes/no/on/off")
+
+
+def _number(env: Mapping[str, str], name: str, default: float, kind: type,
+            low: float, high: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = kind(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a {kind.__name__}") from None
+    if not (low <= value <= high):
+        raise ConfigError(f"{name}={raw!r}: must be between {low} and {high}")
+    return value
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read every setting; raise ConfigError on the first bad one."""
+    env = os.environ if env is None else env
+    device = env.get(ENV_DEVICE_TYPE, "auto").strip().lower() or "auto"
+    if device not in {"auto", "cuda", "npu", "cpu", "xpu", "rocm"}:
+        raise ConfigError(f"{ENV_DEVICE_TYPE}={device!r}: expected auto/cuda/npu/cpu/xpu/rocm")
+    return Settings(
+        enabled=_bool(env, ENV_ENABLED, False),
+        receipt_deadline_s=_number(env, ENV_RECEIPT_DEADLINE, 5.0, float, 0.01, 3600.0),
+        buffer_size=int(_number(env, ENV_BUFFER_SIZE, 65536, int, 16, 1 << 24)),
+        traffic_sample_ratio=_number(env, ENV_TRAFFIC_RATIO, 1.0, float, 0.0, 1.0),
+        roster_cap=int(_number(env, ENV_ROSTER_CAP, 64, int, 1, 4096)),
+        drain_interval_s=_number(env, ENV_DRAIN_INTERVAL, 0.05, float, 0.001, 10.0),
+        device_type=device,
+    )

@@ -1,0 +1,1 @@
+"""Host adapters: where lifecycle events are observed inside a host."""

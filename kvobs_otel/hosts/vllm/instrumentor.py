@@ -1,0 +1,189 @@
+"""Patch vLLM's OffloadingConnector classes; undo it exactly.
+
+Patching the classes (not instances) reaches every subclass that inherits
+the methods, such as vllm-ascend's AscendOffloadingConnector and its worker
+(which overrides only ``register_kv_caches`` and still ends in
+``_init_worker``). Wrappers call vLLM first or last, outside any ``try``, so
+vLLM's own exceptions pass unchanged; the seams never raise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from kvobs_otel.config import Settings
+
+logger = logging.getLogger("kvobs_otel")
+
+_ATTR = "_kvobs"
+_MISSING = object()
+# (owner class, attribute name, original value or _MISSING if inherited)
+_patches: list[tuple[type, str, Any]] = []
+_connectors: weakref.WeakSet[Any] = weakref.WeakSet()
+_settings: Settings | None = None
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = cls.__dict__.get(name, _MISSING)
+    target = getattr(cls, name)
+    wrapper = functools.wraps(target)(make(target))
+    wrapper.__kvobs_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+    _patches.append((cls, name, original))
+
+
+# -- wrapper factories (one per seam) -------------------------------------------------
+def _init(orig):
+    def __init__(self, vllm_config, role, *args, **kwargs):
+        orig(self, vllm_config, role, *args, **kwargs)
+        _attach(self)
+    return __init__
+
+
+def _after(method: str, pass_result: bool = False):
+    """Call vLLM, then the seam ``method`` (with the result when asked)."""
+    def make(orig):
+        def wrapper(self, *args, **kwargs):
+            result = orig(self, *args, **kwargs)
+            s = self.__dict__.get(_ATTR)
+            if s is not None:
+                if pass_result:
+                    return getattr(s, method)(result)
+                getattr(s, method)(*args, **kwargs)
+            return result
+        return wrapper
+    return make
+
+
+def _before(method: str):
+    """Call the seam ``method`` first (it must see the input vLLM may mutate)."""
+    def make(orig):
+        def wrapper(self, *args, **kwargs):
+            s = self.__dict__.get(_ATTR)
+            if s is not None:
+                getattr(s, method)(*args, **kwargs)
+            return orig(self, *args, **kwargs)
+        return wrapper
+    return make
+
+
+def _build_meta(orig):
+    def build_connector_meta(self, scheduler_output):
+        meta = orig(self, scheduler_output)
+        s = self.__dict__.get(_ATTR)
+        if s is not None:
+            s.after_build_meta(scheduler_output, meta)
+        return meta
+    return build_connector_meta
+
+
+def _start_load(orig):
+    def start_load_kv(self, forward_context, **kwargs):
+        s = self.__dict__.get(_ATTR)
+        if s is not None:
+            s.note_meta(self._connector_metadata)
+            s.on_start_load(forward_context, kwargs)
+        return orig(self, forward_context, **kwargs)
+    return start_load_kv
+
+
+def _shutdown(orig):
+    def shutdown(self):
+        try:
+            orig(self)
+        finally:
+            s = self.__dict__.get(_ATTR)
+            if s is not None:
+                s.on_shutdown()
+    return shutdown
+
+
+def _init_worker(orig):
+    def _init_worker(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        s = self.__dict__.get(_ATTR)
+        if s is not None and getattr(self, "worker", None) is not None:
+            try:
+                s.wrap_offloading_worker(self.worker)
+            except Exception:
+                s.pipeline.count_error("seam")
+    return _init_worker
+
+
+def _attach(connector: Any) -> None:
+    """Give a freshly built connector its role's seams (never raises)."""
+    settings = _settings
+    if settings is None or not settings.enabled:
+        return
+    try:
+        from kvobs_otel.hosts.vllm.seams import SchedulerSeams, WorkerSeams
+        from kvobs_otel.pipeline import get_pipeline
+
+        pipeline = get_pipeline(settings)
+        if getattr(connector, "connector_scheduler", None) is not None:
+            connector.__dict__[_ATTR] = SchedulerSeams(connector, settings, pipeline)
+        elif getattr(connector, "connector_worker", None) is not None:
+            seams = WorkerSeams(connector, settings, pipeline)
+            connector.__dict__[_ATTR] = seams
+            connector.connector_worker.__dict__[_ATTR] = seams
+        _connectors.add(connector)
+    except Exception:
+        logger.warning("kvobs-otel: could not attach to %s; observation off for it",
+                       type(connector).__name__, exc_info=True)
+
+
+def patch_classes(settings: Settings) -> None:
+    global _settings
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    _settings = settings
+    C = OffloadingConnector
+    _wrap(C, "__init__", _init)
+    # scheduler role
+    _wrap(C, "on_new_request", _after("on_new_request"))
+    _wrap(C, "build_connector_meta", _build_meta)
+    _wrap(C, "update_connector_output", _after("after_connector_output"))
+    _wrap(C, "request_finished", _after("on_request_finished"))
+    _wrap(C, "request_finished_all_groups", _after("on_request_finished"))
+    _wrap(C, "reset_cache", _after("on_reset_cache"))
+    # worker role
+    _wrap(C, "handle_preemptions", _before("note_meta"))
+    _wrap(C, "bind_connector_metadata", _before("note_meta"))
+    _wrap(C, "start_load_kv", _start_load)
+    _wrap(C, "wait_for_save", _after("after_save"))
+    _wrap(C, "build_connector_worker_meta", _after("worker_meta", pass_result=True))
+    _wrap(OffloadingConnectorWorker, "_init_worker", _init_worker)
+    # both
+    _wrap(C, "shutdown", _shutdown)
+
+
+def unpatch_classes() -> None:
+    global _settings
+    while _patches:
+        cls, name, original = _patches.pop()
+        if original is _MISSING:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, original)
+    for connector in list(_connectors):
+        s = connector.__dict__.pop(_ATTR, None)
+        worker = getattr(connector, "connector_worker", None)
+        if worker is not None:
+            worker.__dict__.pop(_ATTR, None)
+        if s is not None and hasattr(s, "unwrap_workers"):
+            s.unwrap_workers()
+    _connectors.clear()
+    _settings = None
+
+
+def is_patched() -> bool:
+    return bool(_patches)

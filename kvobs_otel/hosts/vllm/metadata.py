@@ -1,0 +1,39 @@
+"""Extensions of vLLM's own step metadata (never a side channel).
+
+scheduler -> workers: an attribute ``kvobs_step`` on the
+``OffloadingConnectorMetadata`` object, pickled with it to every worker:
+``(scheduler_generation, {req_id: epoch}, {req_id: (epoch, compute_kind)})``
+- the episodes this step touches and the requests admitted this step.
+
+workers -> scheduler: ``ReceiptWorkerMetadata``, a subclass of
+``OffloadingWorkerMetadata`` that adds who reported: ``reporters`` =
+((rank, worker_generation, (job_id, ...)), ...) and ``computed`` =
+((rank, worker_generation, req_id, epoch), ...). vLLM's ``completed_jobs``
+counts and their summing in ``aggregate()`` are left exactly as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+
+STEP_ATTR = "kvobs_step"
+
+
+@dataclass
+class ReceiptWorkerMetadata(OffloadingWorkerMetadata):
+    reporters: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
+    computed: tuple[tuple[int, str, str, int], ...] = ()
+
+    def aggregate(self, other: Any) -> Any:
+        merged = OffloadingWorkerMetadata.aggregate(self, other)
+        return ReceiptWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            reporters=self.reporters + getattr(other, "reporters", ()),
+            computed=self.computed + getattr(other, "computed", ()),
+        )

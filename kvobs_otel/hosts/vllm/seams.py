@@ -1,0 +1,335 @@
+"""What each seam records, per connector role.
+
+Serving-path rules: read what vLLM already computed, build one compact tuple,
+``offer`` it to the bounded buffer, return. Every recording step sits in a
+``try`` so an observer bug is counted and never reaches vLLM; vLLM's own
+exceptions are never caught here (the wrappers call vLLM outside the ``try``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvobs_otel import identity
+from kvobs_otel.config import Settings
+from kvobs_otel.hosts.vllm.metadata import STEP_ATTR, ReceiptWorkerMetadata
+from kvobs_otel.lifecycle import events as ev
+from kvobs_otel.lifecycle.events import COMPUTE_DECODE, COMPUTE_PREFILL
+from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
+from kvobs_otel.lifecycle.worker_state import WorkerLifecycle
+from kvobs_otel.pipeline import Observer, Pipeline
+from kvobs_otel.telemetry import attributes as A
+
+_now = time.monotonic_ns
+
+
+def _blocks(spec: Any) -> int:
+    ids = getattr(spec, "block_ids", None)
+    return len(ids) if ids is not None else 0
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+        return str(vllm.__version__)
+    except Exception:
+        return "unknown"
+
+
+def _device_type(settings: Settings) -> str:
+    if settings.device_type != "auto":
+        return settings.device_type
+    try:
+        from vllm.platforms import current_platform
+        return str(current_platform.device_type or "cpu")
+    except Exception:
+        return "unknown"
+
+
+def _adapter(connector: Any) -> str:
+    module = type(connector).__module__
+    return "vllm-ascend" if module.startswith("vllm_ascend") else "vllm"
+
+
+def _resource(connector: Any, settings: Settings, role: str, **extra: Any) -> dict[str, Any]:
+    cfg = getattr(connector, "_vllm_config", None)
+    ktc = getattr(cfg, "kv_transfer_config", None)
+    attrs = {
+        A.RES_ROLE: role,
+        A.RES_ENGINE: getattr(ktc, "engine_id", None),
+        A.RES_DEVICE: _device_type(settings),
+        A.RES_VLLM_VERSION: _vllm_version(),
+        A.RES_HOST_ADAPTER: _adapter(connector),
+    }
+    attrs.update(extra)
+    return attrs
+
+
+class SchedulerSeams:
+    """Scheduler role: job creation, preemption, admission, receipts."""
+
+    def __init__(self, connector: Any, settings: Settings, pipeline: Pipeline) -> None:
+        cfg = connector._vllm_config
+        self.gen = identity.new_generation()
+        world = int(cfg.parallel_config.world_size)
+        self.pipeline = pipeline
+        self.observer = Observer(
+            pipeline,
+            lambda sink: SchedulerLifecycle(self.gen, world, settings.receipt_deadline_s, sink),
+            _resource(connector, settings, "scheduler"))
+        pipeline.register(self.observer)
+        self.consumer = self.observer.lifecycle
+        self.offer = pipeline.offer
+        # req_id -> Request: read num_preemptions when it is preempted.
+        self.requests: dict[str, Any] = {}
+        # req_id -> epoch of an episode whose request is not yet re-admitted.
+        self.open: dict[str, int] = {}
+
+    def on_new_request(self, request: Any) -> None:
+        try:
+            self.requests[request.request_id] = request
+            headers = request.trace_headers
+            if headers:
+                tp = headers.get("traceparent")
+                if tp:
+                    self.offer((self.consumer, ev.S_REQUEST, _now(), request.request_id, str(tp)))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def after_build_meta(self, so: Any, meta: Any) -> None:
+        try:
+            episodes: dict[str, int] = {}
+            preempted = ()
+            if so.preempted_req_ids:
+                reqs = self.requests
+                preempted = tuple((r, reqs[r].num_preemptions)
+                                  for r in so.preempted_req_ids if r in reqs)
+                for r, epoch in preempted:
+                    self.open[r] = episodes[r] = epoch
+            admitted: dict[str, tuple[int, str]] = {}
+            if self.open:
+                self._admissions(so, admitted)
+                for job in meta.load_jobs.values():
+                    epoch = self.open.get(job.req_id)
+                    if epoch is not None:
+                        episodes[job.req_id] = epoch
+                for r, (epoch, _k) in admitted.items():
+                    episodes[r] = epoch
+                    del self.open[r]
+            setattr(meta, STEP_ATTR, (self.gen, episodes, admitted))
+            loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
+            if preempted or loads or stores or flushed or admitted:
+                self.offer((self.consumer, ev.S_STEP, _now(), preempted,
+                            tuple((j, x.req_id, x.sync, _blocks(x.dst_spec))
+                                  for j, x in loads.items()),
+                            tuple((j, x.req_id, _blocks(x.src_spec)) for j, x in stores.items()),
+                            tuple(flushed or ()),
+                            tuple((r, e, k) for r, (e, k) in admitted.items())))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def _admissions(self, so: Any, out: dict[str, tuple[int, str]]) -> None:
+        # V2 runner reports a resume in scheduled_new_reqs, V1 in resumed_req_ids.
+        n = so.num_scheduled_tokens
+        candidates = [nr.req_id for nr in so.scheduled_new_reqs]
+        resumed = getattr(so.scheduled_cached_reqs, "resumed_req_ids", None)
+        if resumed:
+            candidates.extend(resumed)
+        for r in candidates:
+            epoch = self.open.get(r)
+            tokens = n.get(r, 0)
+            if epoch is not None and tokens > 0:
+                # All KV back: only the next token is computed.
+                out[r] = (epoch, COMPUTE_DECODE if tokens == 1 else COMPUTE_PREFILL)
+
+    def after_connector_output(self, output: Any) -> None:
+        try:
+            meta = output.kv_connector_worker_meta
+            reporters = getattr(meta, "reporters", None)
+            computed = getattr(meta, "computed", None)
+            if reporters or computed:
+                self.offer((self.consumer, ev.S_RECEIPTS, _now(), reporters or (),
+                            computed or ()))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def on_request_finished(self, request: Any, *_ignored: Any) -> None:
+        try:
+            r = request.request_id
+            self.requests.pop(r, None)
+            self.open.pop(r, None)
+            aborted = getattr(request.status, "name", "") == "FINISHED_ABORTED"
+            self.offer((self.consumer, ev.S_FINISHED, _now(), r, aborted))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def on_reset_cache(self) -> None:
+        try:
+            self.offer((self.consumer, ev.S_RESET, _now()))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def on_shutdown(self) -> None:
+        try:
+            self.offer((self.consumer, ev.S_SHUTDOWN, _now()))
+            self.observer.close()
+        except Exception:
+            self.pipeline.count_error("shutdown")
+
+
+class WorkerSeams:
+    """Worker role: submissions, results, receipts, first compute."""
+
+    def __init__(self, connector: Any, settings: Settings, pipeline: Pipeline) -> None:
+        pc = connector._vllm_config.parallel_config
+        self.rank = int(pc.rank)
+        tp = max(1, int(pc.tensor_parallel_size))
+        self.gen = identity.new_generation()
+        self.pipeline = pipeline
+        self.observer = Observer(
+            pipeline, lambda sink: WorkerLifecycle(self.rank, self.gen, sink),
+            _resource(connector, settings, "worker", **{
+                A.RES_RANK: self.rank, A.RES_TP_RANK: self.rank % tp,
+                A.RES_PP_RANK: self.rank // tp,
+                A.RES_DP_RANK: int(getattr(pc, "data_parallel_rank", 0) or 0),
+                A.WORKER_GEN: self.gen}))
+        pipeline.register(self.observer)
+        self.consumer = self.observer.lifecycle
+        self.offer = pipeline.offer
+        self.sched_gen = ""
+        self._last_meta: Any = None
+        # req_id -> (epoch, compute_kind, sched_gen): admitted, first compute due.
+        self.pending: dict[str, tuple[int, str, str]] = {}
+        self._bind_ns = 0
+        self._forward = False
+        self._forward_reqs: Any = None
+        self._computed: list[tuple[int, str, str, int]] = []
+        self._wrapped: list[tuple[Any, tuple[str, ...]]] = []
+
+    # -- per step ---------------------------------------------------------------
+    def note_meta(self, meta: Any) -> None:
+        """First sight of this step's metadata (handle_preemptions or bind)."""
+        if meta is self._last_meta:
+            return
+        try:
+            self._last_meta = meta
+            self._bind_ns = t = _now()
+            self._forward = False
+            self._forward_reqs = None
+            step = getattr(meta, STEP_ATTR, None)
+            episodes: dict[str, int] = {}
+            if step is not None:
+                self.sched_gen, episodes, admitted = step
+                for r, (epoch, kind) in admitted.items():
+                    self.pending[r] = (epoch, kind, self.sched_gen)
+            loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
+            if loads or stores or flushed:
+                self.offer((self.consumer, ev.W_STEP, t, self.sched_gen,
+                            tuple((j, x.req_id, _blocks(x.dst_spec)) for j, x in loads.items()),
+                            tuple((j, x.req_id, _blocks(x.src_spec)) for j, x in stores.items()),
+                            tuple(flushed or ()), episodes))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def on_start_load(self, forward_context: Any, kwargs: dict[str, Any]) -> None:
+        # A real forward: V2 passes the batch's request_ids (no_forward passes
+        # none); V1 binds attention metadata (no_forward binds None). Dummy,
+        # profile and capture runs never reach the connector (V2 disables it).
+        try:
+            if "request_ids" in kwargs:
+                self._forward = True
+                self._forward_reqs = kwargs["request_ids"]
+            elif getattr(forward_context, "attn_metadata", None) is not None:
+                self._forward = True
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def after_save(self) -> None:
+        """After the forward (wait_for_save): confirm first computes."""
+        if not (self._forward and self.pending):
+            return
+        try:
+            self._forward = False
+            batch = self._forward_reqs
+            t = _now()
+            for r in list(self.pending):
+                if batch is not None and r not in batch:
+                    continue
+                epoch, kind, sched_gen = self.pending.pop(r)
+                self.offer((self.consumer, ev.W_FIRST_COMPUTE, t, self._bind_ns, r, epoch,
+                            kind, sched_gen))
+                self._computed.append((self.rank, self.gen, r, epoch))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def worker_meta(self, meta: Any) -> Any:
+        """Attach who reported to vLLM's worker metadata (counts untouched)."""
+        if meta is None and not self._computed:
+            return meta
+        try:
+            completed = meta.completed_jobs if meta is not None else {}
+            out = ReceiptWorkerMetadata(
+                completed_jobs=completed,
+                reporters=((self.rank, self.gen, tuple(completed)),) if completed else (),
+                computed=tuple(self._computed))
+            if meta is not None:
+                out.transfer_stats = meta.transfer_stats
+            self._computed.clear()
+            return out
+        except Exception:
+            self.pipeline.count_error("seam")
+            return meta
+
+    # -- the OffloadingWorker built by _init_worker ------------------------------------
+    def wrap_offloading_worker(self, worker: Any) -> None:
+        """Observe the real submit/result calls on this worker instance."""
+        offer, consumer, count = self.offer, self.consumer, self.pipeline.count_error
+        submit_store, submit_load, get_finished = (
+            worker.submit_store, worker.submit_load, worker.get_finished)
+
+        def observed_submit_store(job_id: int, src: Any, dst: Any) -> bool:
+            ok = submit_store(job_id, src, dst)
+            try:
+                offer((consumer, ev.W_SUBMIT, _now(), job_id, False, bool(ok), False))
+            except Exception:
+                count("seam")
+            return ok
+
+        def observed_submit_load(job_id: int, src: Any, dst: Any, *args: Any, **kw: Any) -> bool:
+            ok = submit_load(job_id, src, dst, *args, **kw)
+            try:
+                expedited = bool(kw.get("expedited", args[0] if args else False))
+                offer((consumer, ev.W_SUBMIT, _now(), job_id, True, bool(ok), expedited))
+            except Exception:
+                count("seam")
+            return ok
+
+        def observed_get_finished() -> Any:
+            results = get_finished()
+            try:
+                t = _now()
+                for r in results:
+                    offer((consumer, ev.W_RESULT, t, r.job_id, bool(r.success),
+                           r.transfer_size, r.transfer_time))
+            except Exception:
+                count("seam")
+            return results
+
+        worker.submit_store = observed_submit_store
+        worker.submit_load = observed_submit_load
+        worker.get_finished = observed_get_finished
+        self._wrapped.append((worker, ("submit_store", "submit_load", "get_finished")))
+
+    def unwrap_workers(self) -> None:
+        for worker, names in self._wrapped:
+            for name in names:
+                worker.__dict__.pop(name, None)
+        self._wrapped.clear()
+
+    def on_shutdown(self) -> None:
+        try:
+            self.offer((self.consumer, ev.W_SHUTDOWN, _now()))
+            self.observer.close()
+        except Exception:
+            self.pipeline.count_error("shutdown")

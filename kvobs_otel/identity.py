@@ -1,0 +1,69 @@
+"""Identities and the trace/span ids derived from them.
+
+Every process derives the same ids from the same key, so the scheduler and
+each rank place their spans in one trace without a round-trip:
+
+- episode trace: key (scheduler generation, request id, epoch)
+- request (traffic) trace: key (scheduler generation, request id)
+- job span: key (scheduler generation, job id) - the parent of the ranks'
+  transfer spans
+- admission span: the episode key plus "admission" - the parent of the ranks'
+  first-compute spans
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+_MASK64 = (1 << 64) - 1
+
+
+def new_generation() -> str:
+    """A random 128-bit id, hex: one per connector instance (restart = new)."""
+    return secrets.token_hex(16)
+
+
+def _digest(*parts: object) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(str(part).encode("utf-8", "surrogatepass"))
+        h.update(b"\x1f")  # unit separator: ("a","bc") != ("ab","c")
+    return h.digest()
+
+
+def _nonzero(value: int) -> int:
+    # W3C forbids all-zero ids; a zero digest prefix is astronomically rare.
+    return value or 1
+
+
+def episode_ids(sched_gen: str, req_id: str, epoch: int) -> tuple[int, int]:
+    """(trace id, root span id) of a recovery episode."""
+    d = _digest("episode", sched_gen, req_id, epoch)
+    return _nonzero(int.from_bytes(d[:16], "big")), _nonzero(int.from_bytes(d[16:24], "big"))
+
+
+def request_ids(sched_gen: str, req_id: str) -> tuple[int, int]:
+    """(trace id, root span id) of a request's ordinary offload traffic."""
+    d = _digest("request", sched_gen, req_id)
+    return _nonzero(int.from_bytes(d[:16], "big")), _nonzero(int.from_bytes(d[16:24], "big"))
+
+
+def job_span_id(sched_gen: str, job_id: int) -> int:
+    return _nonzero(int.from_bytes(_digest("job", sched_gen, job_id)[:8], "big"))
+
+
+def admission_span_id(sched_gen: str, req_id: str, epoch: int) -> int:
+    return _nonzero(int.from_bytes(_digest("admission", sched_gen, req_id, epoch)[:8], "big"))
+
+
+def traffic_sampled(trace_id: int, ratio: float) -> bool:
+    """Deterministic per-trace decision, identical in every process.
+
+    Same rule as the SDK's TraceIdRatioBased sampler (low 64 bits of the id).
+    """
+    if ratio >= 1.0:
+        return True
+    if ratio <= 0.0:
+        return False
+    return (trace_id & _MASK64) < int(ratio * (_MASK64 + 1))

@@ -1,0 +1,76 @@
+"""The public instrument()/uninstrument() surface (opentelemetry-contrib style)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvobs_otel.config import ConfigError, Settings, load_settings
+
+logger = logging.getLogger("kvobs_otel")
+_lock = threading.Lock()
+
+SUPPORTED_VLLM = ("0.33.0",)  # tested; see docs/compatibility.md
+MIN_VLLM = (0, 33, 0)
+
+
+def _check_settings(settings: Settings) -> None:
+    from kvobs_otel.telemetry.providers import validate_exporter_env
+
+    try:
+        validate_exporter_env()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def instrument(settings: Settings | None = None, *, default_enabled: bool = False) -> bool:
+    """Patch vLLM's OffloadingConnector classes when observation is enabled.
+
+    Returns True when instrumentation is active. Never raises: a bad setting
+    or a missing vLLM logs one line and leaves vLLM untouched.
+    """
+    with _lock:
+        from kvobs_otel.hosts.vllm import instrumentor
+
+        if instrumentor.is_patched():
+            return True
+        try:
+            if settings is None:
+                import os
+
+                from kvobs_otel.config import ENV_ENABLED
+                env = dict(os.environ)
+                if default_enabled and ENV_ENABLED not in env:
+                    env[ENV_ENABLED] = "1"
+                settings = load_settings(env)
+            if not settings.enabled:
+                return False
+            _check_settings(settings)
+        except ConfigError as e:
+            logger.error("kvobs-otel: observation stays off: %s", e)
+            return False
+        try:
+            instrumentor.patch_classes(settings)
+        except ImportError as e:
+            logger.error("kvobs-otel: observation stays off: vLLM not importable (%s)", e)
+            instrumentor.unpatch_classes()
+            return False
+        except Exception:
+            logger.exception("kvobs-otel: observation stays off: patching failed")
+            instrumentor.unpatch_classes()
+            return False
+        return True
+
+
+def uninstrument() -> None:
+    """Restore vLLM's original methods and detach every observed connector."""
+    with _lock:
+        from kvobs_otel.hosts.vllm import instrumentor
+
+        instrumentor.unpatch_classes()
+
+
+def is_instrumented() -> bool:
+    from kvobs_otel.hosts.vllm import instrumentor
+
+    return instrumentor.is_patched()

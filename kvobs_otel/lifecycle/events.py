@@ -1,0 +1,42 @@
+"""Event kinds recorded on the serving path.
+
+An event is a plain tuple ``(consumer, kind, t_ns, *fields)``: ``consumer``
+is the lifecycle object that will interpret it on the drain thread, ``t_ns``
+is ``time.monotonic_ns()`` at the seam. Tuples, not objects, because the
+serving thread must only pay for one small allocation per event.
+"""
+
+from __future__ import annotations
+
+# Scheduler role ------------------------------------------------------------
+# (req_id, traceparent | None)
+S_REQUEST = 1
+# (preempted: ((req_id, epoch), ...), loads: ((job_id, req_id, sync, blocks), ...),
+#  stores: ((job_id, req_id, blocks), ...), flushed: (job_id, ...),
+#  admitted: ((req_id, epoch, compute_kind), ...))
+S_STEP = 2
+# (reporters: ((rank, worker_gen, (job_id, ...)), ...),
+#  computed: ((rank, worker_gen, req_id, epoch), ...))
+S_RECEIPTS = 3
+# (req_id, aborted)
+S_FINISHED = 4
+# ()
+S_RESET = 5
+# ()
+S_SHUTDOWN = 6
+
+# Worker role ----------------------------------------------------------------
+# (sched_gen, loads: ((job_id, req_id, blocks), ...), stores: same,
+#  flushed: (job_id, ...), episodes: {req_id: epoch})
+W_STEP = 11
+# (job_id, is_load, accepted)
+W_SUBMIT = 12
+# (job_id, success, size_bytes | None, device_time_s | None)
+W_RESULT = 13
+# (start_ns, req_id, epoch, compute_kind, sched_gen)
+W_FIRST_COMPUTE = 14
+# ()
+W_SHUTDOWN = 15
+
+COMPUTE_PREFILL = "prefill"
+COMPUTE_DECODE = "decode"

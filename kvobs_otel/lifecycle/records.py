@@ -1,0 +1,118 @@
+"""Finished lifecycle records: what the state machines hand to the span and
+metric builders. Times are ``time.monotonic_ns()`` of the recording process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Outcomes ------------------------------------------------------------------
+COMPLETE = "complete"
+RECEIPT_INCOMPLETE = "receipt_incomplete"
+ABANDONED = "abandoned"
+
+RECOVERED = "recovered"
+FINISHED_BEFORE_RESUME = "finished_before_resume"
+ABORTED_BEFORE_RESUME = "aborted_before_resume"
+PREEMPTED_AGAIN = "preempted_again"
+FIRST_COMPUTE_INCOMPLETE = "first_compute_incomplete"
+
+TRANSFER_OK = "ok"
+TRANSFER_FAILED = "failed"
+TRANSFER_REJECTED = "rejected"
+TRANSFER_CANCELLED = "cancelled"
+
+# Roles of a job within an episode
+PRESERVE = "preserve"
+RESTORE = "restore"
+
+
+@dataclass
+class JobRecord:
+    sched_gen: str
+    job_id: int
+    req_id: str
+    kind: str  # "store" | "load"
+    sync: bool
+    blocks: int
+    expected_ranks: int
+    receipt_ranks: list[int]
+    missing_ranks: list[int]
+    duplicate_receipts: int
+    outcome: str
+    start_ns: int
+    end_ns: int
+    flushed: bool = False
+    episode_epoch: int = 0  # 0: ordinary traffic
+    episode_role: str | None = None
+
+
+@dataclass
+class TransferRecord:
+    sched_gen: str
+    job_id: int
+    req_id: str | None  # None when the job's metadata was never seen
+    direction: str  # "d2h" | "h2d"
+    blocks: int
+    size_bytes: int | None
+    device_time_s: float | None
+    rank: int
+    worker_gen: str
+    outcome: str
+    start_ns: int
+    end_ns: int
+    episode_epoch: int = 0
+    expedited: bool = False
+
+
+@dataclass
+class FirstComputeRecord:
+    sched_gen: str
+    req_id: str
+    epoch: int
+    rank: int
+    worker_gen: str
+    compute_kind: str
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class EpisodeEvent:
+    name: str
+    t_ns: int
+    attributes: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class EpisodeRecord:
+    sched_gen: str
+    req_id: str
+    epoch: int
+    start_ns: int
+    end_ns: int
+    outcome: str
+    traceparent: str | None
+    preserve_jobs: list[int]
+    restore_jobs: list[int]
+    events: list[EpisodeEvent]
+    expected_ranks: int
+    # Admission: None when the request never came back.
+    ready_ns: int | None = None
+    admitted_ns: int | None = None
+    compute_kind: str | None = None
+    first_compute_ranks: list[int] = field(default_factory=list)
+    missing_first_compute_ranks: list[int] = field(default_factory=list)
+    incomplete_jobs: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestRecord:
+    """The root of a request's ordinary offload-traffic trace."""
+
+    sched_gen: str
+    req_id: str
+    start_ns: int
+    end_ns: int
+    outcome: str  # "finished" | "aborted" | "abandoned"
+    traceparent: str | None
+    jobs: int

@@ -1,0 +1,271 @@
+"""Scheduler-side lifecycle: jobs, per-rank receipts, recovery episodes.
+
+Fed with S_* events on the drain thread; hands finished records to a sink.
+A receipt is complete when every expected rank reported exactly once; a job
+still missing ranks ``deadline`` after creation ends as RECEIPT_INCOMPLETE.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvobs_otel.lifecycle import events as ev
+from kvobs_otel.lifecycle import records as rec
+
+
+class RecordSink(Protocol):
+    def emit(self, record: Any) -> None: ...
+
+
+@dataclass
+class _Job:
+    req_id: str
+    is_store: bool
+    sync: bool
+    blocks: int
+    start_ns: int
+    reported: dict[int, str] = field(default_factory=dict)
+    duplicates: int = 0
+    flushed: bool = False
+    epoch: int = 0
+    role: str | None = None
+
+
+@dataclass
+class _Episode:
+    epoch: int
+    start_ns: int
+    traceparent: str | None
+    events: list[rec.EpisodeEvent] = field(default_factory=list)
+    preserve_jobs: list[int] = field(default_factory=list)
+    restore_jobs: list[int] = field(default_factory=list)
+    open_restores: set[int] = field(default_factory=set)
+    incomplete_jobs: list[int] = field(default_factory=list)
+    ready_ns: int | None = None
+    admitted_ns: int | None = None
+    compute_kind: str | None = None
+    computed: dict[int, int] = field(default_factory=dict)  # rank -> t
+
+
+@dataclass
+class _Request:
+    start_ns: int
+    traceparent: str | None
+    open_jobs: int = 0
+    jobs: int = 0
+    last_ns: int = 0
+    finished: str | None = None  # "finished" | "aborted"
+
+
+class SchedulerLifecycle:
+    # Remember this many closed jobs so a late receipt is told from an unknown one.
+    _CLOSED_MEMORY = 8192
+
+    def __init__(self, sched_gen: str, world_size: int, deadline_s: float,
+                 sink: RecordSink) -> None:
+        self.gen = sched_gen
+        self.world = world_size
+        self.deadline_ns = int(deadline_s * 1e9)
+        self.sink = sink
+        self.jobs: dict[int, _Job] = {}
+        self.episodes: dict[str, _Episode] = {}
+        self.requests: dict[str, _Request] = {}
+        self._closed: OrderedDict[int, None] = OrderedDict()
+        # Counters the metric builder reads.
+        self.late_receipts = 0
+        self.unknown_receipts = 0
+        self.duplicate_receipts = 0
+
+    # -- dispatch ------------------------------------------------------------
+    def handle(self, event: tuple[Any, ...]) -> None:
+        kind, t = event[1], event[2]
+        if kind == ev.S_STEP:
+            self._step(t, *event[3:])
+        elif kind == ev.S_RECEIPTS:
+            self._receipts(t, *event[3:])
+        elif kind == ev.S_REQUEST:
+            self._request(t, event[3]).traceparent = event[4]
+        elif kind == ev.S_FINISHED:
+            self._finished(t, event[3], event[4])
+        elif kind == ev.S_RESET:
+            for ep in self.episodes.values():
+                ep.events.append(rec.EpisodeEvent("kv.cache_reset", t))
+        elif kind == ev.S_SHUTDOWN:
+            self.shutdown(t)
+
+    def _request(self, t: int, req_id: str) -> _Request:
+        r = self.requests.get(req_id)
+        if r is None:
+            r = self.requests[req_id] = _Request(start_ns=t, traceparent=None, last_ns=t)
+        return r
+
+    # -- step metadata ---------------------------------------------------------
+    def _step(self, t: int, preempted, loads, stores, flushed, admitted) -> None:
+        preempted_now = {}
+        for req_id, epoch in preempted:
+            old = self.episodes.pop(req_id, None)
+            if old is not None:
+                self._end_episode(req_id, old, t, rec.PREEMPTED_AGAIN)
+            ep = _Episode(epoch=epoch, start_ns=t,
+                          traceparent=self._request(t, req_id).traceparent)
+            # The connector cannot see why the scheduler preempted: say so.
+            ep.events.append(rec.EpisodeEvent("kv.requeued", t, {"kvobs.requeue.reason":
+                                                                 "unclassified"}))
+            self.episodes[req_id] = ep
+            preempted_now[req_id] = ep
+        for job_id in flushed:
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            job.flushed = True
+            ep = preempted_now.get(job.req_id)
+            if ep is not None and job.is_store:
+                job.epoch, job.role = ep.epoch, rec.PRESERVE
+                ep.preserve_jobs.append(job_id)
+        for ep in preempted_now.values():
+            ep.events.append(rec.EpisodeEvent("kv.preserve", t, {
+                "kvobs.job.ids": list(ep.preserve_jobs)}))
+        for job_id, req_id, sync, blocks in loads:
+            job = self._new_job(t, job_id, req_id, False, sync, blocks)
+            ep = self.episodes.get(req_id)
+            if ep is not None and ep.admitted_ns is None:
+                job.epoch, job.role = ep.epoch, rec.RESTORE
+                ep.restore_jobs.append(job_id)
+                ep.open_restores.add(job_id)
+        for job_id, req_id, blocks in stores:
+            self._new_job(t, job_id, req_id, True, False, blocks)
+        for req_id, epoch, kind in admitted:
+            ep = self.episodes.get(req_id)
+            if ep is None or ep.epoch != epoch or ep.admitted_ns is not None:
+                continue
+            ep.admitted_ns = t
+            ep.compute_kind = kind
+            if ep.ready_ns is None and not ep.open_restores:
+                # Nothing to restore (GPU prefix hit) or all restores in: ready
+                # since the last of them, else since preemption.
+                ep.ready_ns = ep.start_ns
+
+    def _new_job(self, t, job_id, req_id, is_store, sync, blocks) -> _Job:
+        job = self.jobs[job_id] = _Job(req_id, is_store, sync, blocks, t)
+        r = self._request(t, req_id)
+        r.open_jobs += 1
+        r.jobs += 1
+        return job
+
+    # -- receipts ------------------------------------------------------------------
+    def _receipts(self, t: int, reporters, computed) -> None:
+        for rank, wgen, job_ids in reporters:
+            for job_id in job_ids:
+                job = self.jobs.get(job_id)
+                if job is None:
+                    if job_id in self._closed:
+                        self.late_receipts += 1
+                    else:
+                        self.unknown_receipts += 1
+                    continue
+                if rank in job.reported:
+                    job.duplicates += 1
+                    self.duplicate_receipts += 1
+                    continue
+                job.reported[rank] = wgen
+                if len(job.reported) >= self.world:
+                    self._end_job(job_id, t, rec.COMPLETE)
+        for rank, _wgen, req_id, epoch in computed:
+            ep = self.episodes.get(req_id)
+            if ep is None or ep.epoch != epoch or rank in ep.computed:
+                continue
+            ep.computed[rank] = t
+            if len(ep.computed) >= self.world:
+                del self.episodes[req_id]
+                self._end_episode(req_id, ep, t, rec.RECOVERED)
+
+    def _end_job(self, job_id: int, t: int, outcome: str) -> None:
+        job = self.jobs.pop(job_id)
+        self._closed[job_id] = None
+        if len(self._closed) > self._CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+        reported = sorted(job.reported)
+        missing = sorted(set(range(self.world)) - job.reported.keys())
+        self.sink.emit(rec.JobRecord(
+            sched_gen=self.gen, job_id=job_id, req_id=job.req_id,
+            kind="store" if job.is_store else "load", sync=job.sync, blocks=job.blocks,
+            expected_ranks=self.world, receipt_ranks=reported, missing_ranks=missing,
+            duplicate_receipts=job.duplicates, outcome=outcome, start_ns=job.start_ns,
+            end_ns=t, flushed=job.flushed, episode_epoch=job.epoch, episode_role=job.role))
+        ep = self.episodes.get(job.req_id)
+        if ep is not None and job.role == rec.RESTORE and ep.epoch == job.epoch:
+            ep.open_restores.discard(job_id)
+            if outcome != rec.COMPLETE:
+                ep.incomplete_jobs.append(job_id)
+                del self.episodes[job.req_id]
+                self._end_episode(job.req_id, ep, t, outcome)
+            elif not ep.open_restores:
+                ep.ready_ns = t
+        r = self.requests.get(job.req_id)
+        if r is not None:
+            r.open_jobs -= 1
+            r.last_ns = max(r.last_ns, t)
+            self._maybe_end_request(job.req_id, r)
+
+    # -- requests and episodes --------------------------------------------------------
+    def _finished(self, t: int, req_id: str, aborted: bool) -> None:
+        ep = self.episodes.get(req_id)
+        if ep is not None and ep.admitted_ns is None:
+            del self.episodes[req_id]
+            self._end_episode(req_id, ep, t, rec.ABORTED_BEFORE_RESUME if aborted
+                              else rec.FINISHED_BEFORE_RESUME)
+        r = self.requests.get(req_id)
+        if r is not None:
+            r.finished = "aborted" if aborted else "finished"
+            r.last_ns = max(r.last_ns, t)
+            self._maybe_end_request(req_id, r)
+
+    def _maybe_end_request(self, req_id: str, r: _Request, force: str | None = None) -> None:
+        if force is None and (r.finished is None or r.open_jobs > 0):
+            return
+        del self.requests[req_id]
+        if r.jobs == 0:
+            return  # no offload traffic: no trace
+        self.sink.emit(rec.RequestRecord(
+            sched_gen=self.gen, req_id=req_id, start_ns=r.start_ns, end_ns=r.last_ns,
+            outcome=force or r.finished or "finished", traceparent=r.traceparent,
+            jobs=r.jobs))
+
+    def _end_episode(self, req_id: str, ep: _Episode, t: int, outcome: str) -> None:
+        missing_fc = []
+        if ep.admitted_ns is not None:
+            missing_fc = sorted(set(range(self.world)) - ep.computed.keys())
+        self.sink.emit(rec.EpisodeRecord(
+            sched_gen=self.gen, req_id=req_id, epoch=ep.epoch, start_ns=ep.start_ns,
+            end_ns=t, outcome=outcome, traceparent=ep.traceparent,
+            preserve_jobs=ep.preserve_jobs, restore_jobs=ep.restore_jobs, events=ep.events,
+            expected_ranks=self.world, ready_ns=ep.ready_ns, admitted_ns=ep.admitted_ns,
+            compute_kind=ep.compute_kind, first_compute_ranks=sorted(ep.computed),
+            missing_first_compute_ranks=missing_fc, incomplete_jobs=ep.incomplete_jobs))
+
+    # -- time ---------------------------------------------------------------------------
+    def tick(self, now: int) -> None:
+        """End jobs and admitted episodes that outlived the receipt deadline."""
+        limit = now - self.deadline_ns
+        for job_id in [j for j, job in self.jobs.items() if job.start_ns < limit]:
+            self._end_job(job_id, now, rec.RECEIPT_INCOMPLETE)
+        for req_id in [r for r, ep in self.episodes.items()
+                       if ep.admitted_ns is not None and ep.admitted_ns < limit]:
+            self._end_episode(req_id, self.episodes.pop(req_id), now,
+                              rec.FIRST_COMPUTE_INCOMPLETE)
+
+    def shutdown(self, t: int) -> None:
+        for job_id in list(self.jobs):
+            self._end_job(job_id, t, rec.ABANDONED)
+        for req_id in list(self.episodes):
+            self._end_episode(req_id, self.episodes.pop(req_id), t, rec.ABANDONED)
+        for req_id in list(self.requests):
+            r = self.requests[req_id]
+            r.last_ns = max(r.last_ns, t)
+            self._maybe_end_request(req_id, r, force=r.finished or rec.ABANDONED)
+
+    @property
+    def open_receipts(self) -> int:
+        return len(self.jobs)

@@ -1,0 +1,194 @@
+"""The export pipeline of one process.
+
+serving thread --offer()--> EventBuffer --drain thread--> lifecycle state
+machines --records--> span/metric builders --> private providers
+(BatchSpanProcessor, periodic metric reader) --> OTLP.
+
+One ``Pipeline`` per process (recreated in a forked child); one ``Observer``
+per observed connector role, each with its own providers so its resource
+says which role and rank it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from kvobs_otel.buffer import EventBuffer
+from kvobs_otel.config import Settings
+
+logger = logging.getLogger("kvobs_otel")
+
+
+class Observer:
+    """Lifecycle + builders + providers for one connector role instance."""
+
+    def __init__(self, pipeline: Pipeline, make_lifecycle: Callable[[Any], Any],
+                 resource_attributes: dict[str, Any]) -> None:
+        # Imported here: with observation disabled the SDK is never imported.
+        from kvobs_otel.telemetry.metrics import MetricsBuilder
+        from kvobs_otel.telemetry.providers import make_providers
+        from kvobs_otel.telemetry.spans import SpanBuilder
+
+        s = pipeline.settings
+        self.pipeline = pipeline
+        self.providers = make_providers(resource_attributes)
+        self.spans = SpanBuilder(self.providers, s.traffic_sample_ratio, s.roster_cap)
+        self.lifecycle = make_lifecycle(self)
+        self.metrics = MetricsBuilder(
+            self.providers,
+            open_receipts=getattr(self.lifecycle, "open_receipts_fn", None),
+            drops=pipeline.drop_counts, errors=pipeline.error_counts)
+        self.closed = False
+
+    # RecordSink
+    def emit(self, record: Any) -> None:
+        try:
+            self.spans.build(record)
+        except Exception:
+            self.pipeline.count_error("span_build")
+        try:
+            self.metrics.record(record)
+        except Exception:
+            self.pipeline.count_error("metric_record")
+
+    def tick(self, now: int) -> None:
+        tick = getattr(self.lifecycle, "tick", None)
+        if tick is not None:
+            tick(now)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Drain what this process recorded, then flush and stop exporting."""
+        if self.closed:
+            return
+        self.closed = True
+        self.pipeline.flush()
+        try:
+            self.providers.flush(int(timeout_s * 1000))
+            self.providers.shutdown()
+        except Exception:
+            self.pipeline.count_error("export_shutdown")
+        self.pipeline.unregister(self)
+
+
+class Pipeline:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.buffer = EventBuffer(settings.buffer_size)
+        self.offer = self.buffer.offer  # the serving path's only call
+        self.observers: list[Observer] = []
+        self._errors: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    # -- counters ----------------------------------------------------------------
+    def count_error(self, stage: str) -> None:
+        self._errors[stage] += 1
+        if stage not in self._logged:
+            # Once per stage, not per event: a broken stage must not flood logs.
+            self._logged.add(stage)
+            logger.warning("kvobs-otel: internal failure in %s (contained, counted; "
+                           "further ones are only counted)", stage, exc_info=True)
+
+    def error_counts(self) -> dict[str, int]:
+        return dict(self._errors)
+
+    def drop_counts(self) -> dict[str, int]:
+        return {"buffer_full": self.buffer.dropped_full}
+
+    # -- observers -------------------------------------------------------------------
+    def register(self, observer: Observer) -> None:
+        with self._lock:
+            self.observers.append(observer)
+        self._ensure_thread()
+
+    def unregister(self, observer: Observer) -> None:
+        with self._lock:
+            if observer in self.observers:
+                self.observers.remove(observer)
+
+    # -- drain thread ------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvobs-otel-drain", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self.settings.drain_interval_s
+        while not self._stop:
+            self._wake.wait(interval)
+            self._wake.clear()
+            self.drain_once()
+
+    def drain_once(self) -> int:
+        """Process everything buffered now, then run deadlines. Thread-safe."""
+        n = 0
+        with self._lock:
+            while True:
+                batch = self.buffer.drain()
+                if not batch:
+                    break
+                n += len(batch)
+                for event in batch:
+                    try:
+                        event[0].handle(event)
+                    except Exception:
+                        self.count_error("lifecycle")
+            now = time.monotonic_ns()
+            for obs in self.observers:
+                try:
+                    obs.tick(now)
+                except Exception:
+                    self.count_error("deadline")
+        return n
+
+    def flush(self) -> None:
+        self.drain_once()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.drain_once()
+
+
+_pipeline: Pipeline | None = None
+_pipeline_lock = threading.Lock()
+
+
+def get_pipeline(settings: Settings) -> Pipeline:
+    """The process's pipeline, made on first use (and anew after a fork)."""
+    global _pipeline
+    with _pipeline_lock:
+        if _pipeline is None or _pipeline._pid != os.getpid():
+            _pipeline = Pipeline(settings)
+        return _pipeline
+
+
+def current_pipeline() -> Pipeline | None:
+    return _pipeline
+
+
+def _after_fork_in_child() -> None:
+    # The child's copy of the buffer holds the parent's events and its drain
+    # thread does not exist: start clean. Observers made before the fork keep
+    # their (now stale) pipeline; connectors are built after worker start, so
+    # in practice they are made in the child.
+    global _pipeline
+    _pipeline = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,1 @@
+"""Span and metric builders, and the private OpenTelemetry providers."""

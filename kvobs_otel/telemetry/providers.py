@@ -1,0 +1,189 @@
+"""Private OpenTelemetry providers, one pair per observed connector role.
+
+Never the global providers: vLLM sets the global TracerProvider itself when
+``--otlp-traces-endpoint`` is given. Exporters are chosen by the standard
+variables: ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` (otlp,
+console, none), ``OTEL_EXPORTER_OTLP[_TRACES|_METRICS]_PROTOCOL`` (grpc,
+http/protobuf); endpoint, headers, TLS and timeouts are read by the OTLP
+exporters, batch sizes by the BatchSpanProcessor (``OTEL_BSP_*``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+from kvobs_otel import __version__
+
+SERVICE_NAME_DEFAULT = "kvobs-otel"
+SCOPE = "kvobs_otel"
+
+
+class ConfigurableIdGenerator(IdGenerator):
+    """Random ids, except where the span builder primes derived ones.
+
+    Spans are built on one drain thread per process, but the SDK could call
+    this from elsewhere, so the primed ids are thread-local.
+    """
+
+    def __init__(self) -> None:
+        self._random = RandomIdGenerator()
+        self._local = threading.local()
+
+    def prime(self, trace_id: int | None, span_id: int | None) -> None:
+        self._local.trace_id = trace_id
+        self._local.span_id = span_id
+
+    def generate_span_id(self) -> int:
+        sid = getattr(self._local, "span_id", None)
+        if sid is not None:
+            self._local.span_id = None
+            return sid
+        return self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        tid = getattr(self._local, "trace_id", None)
+        if tid is not None:
+            self._local.trace_id = None
+            return tid
+        return self._random.generate_trace_id()
+
+
+@dataclass
+class ExportOverrides:
+    """Test and demo hook: build exporters/readers instead of reading env."""
+
+    span_processor: Callable[[], SpanProcessor] | None = None
+    metric_reader: Callable[[], MetricReader] | None = None
+
+
+_overrides = ExportOverrides()
+
+
+def set_export_overrides(span_processor: Callable[[], SpanProcessor] | None = None,
+                         metric_reader: Callable[[], MetricReader] | None = None) -> None:
+    _overrides.span_processor = span_processor
+    _overrides.metric_reader = metric_reader
+
+
+def _protocol(signal: str) -> str:
+    return (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+
+
+def make_span_exporter() -> SpanExporter | None:
+    choice = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+    if choice == "none":
+        return None
+    if choice == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+        return ConsoleSpanExporter()
+    if choice != "otlp":
+        raise ValueError(f"OTEL_TRACES_EXPORTER={choice!r}: expected otlp, console or none")
+    proto = _protocol("TRACES")
+    if proto == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        return OTLPSpanExporter()
+    if proto in ("http/protobuf", "http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HTTPSpanExporter,
+        )
+        return HTTPSpanExporter()
+    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: expected grpc or http/protobuf")
+
+
+def make_metric_reader() -> MetricReader | None:
+    choice = os.environ.get("OTEL_METRICS_EXPORTER", "otlp").strip().lower()
+    if choice == "none":
+        return None
+    if choice == "console":
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+        return PeriodicExportingMetricReader(ConsoleMetricExporter())
+    if choice != "otlp":
+        raise ValueError(f"OTEL_METRICS_EXPORTER={choice!r}: expected otlp, console or none")
+    proto = _protocol("METRICS")
+    if proto == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        exporter: Any = OTLPMetricExporter()
+    elif proto in ("http/protobuf", "http"):
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter as HTTPMetricExporter,
+        )
+        exporter = HTTPMetricExporter()
+    else:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: expected grpc or http/protobuf")
+    return PeriodicExportingMetricReader(exporter)
+
+
+def validate_exporter_env() -> None:
+    """Raise ValueError naming the variable when an exporter choice is bad."""
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"):
+        value = os.environ.get(var, "otlp").strip().lower()
+        if value not in ("otlp", "console", "none"):
+            raise ValueError(f"{var}={value!r}: expected otlp, console or none")
+    for signal in ("TRACES", "METRICS"):
+        if _protocol(signal) not in ("grpc", "http/protobuf", "http"):
+            raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={_protocol(signal)!r}: "
+                             "expected grpc or http/protobuf")
+
+
+def make_resource(attributes: dict[str, Any]) -> Resource:
+    """Our attributes, overridable by OTEL_RESOURCE_ATTRIBUTES/OTEL_SERVICE_NAME."""
+    base = {
+        "service.name": SERVICE_NAME_DEFAULT,
+        "service.version": __version__,
+        "service.instance.id": f"{socket.gethostname()}:{os.getpid()}:{id(attributes):x}",
+        "host.name": socket.gethostname(),
+        "process.pid": os.getpid(),
+    }
+    base.update({k: v for k, v in attributes.items() if v is not None})
+    # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME on top.
+    return Resource.create(base)
+
+
+@dataclass
+class Providers:
+    tracer_provider: TracerProvider
+    meter_provider: MeterProvider
+    ids: ConfigurableIdGenerator
+
+    def flush(self, timeout_ms: int = 10000) -> None:
+        self.tracer_provider.force_flush(timeout_ms)
+        self.meter_provider.force_flush(timeout_ms)
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+def make_providers(resource_attributes: dict[str, Any]) -> Providers:
+    resource = make_resource(resource_attributes)
+    ids = ConfigurableIdGenerator()
+    # Sampling is decided before a span is built (per trace, identically in
+    # every process), so the provider itself keeps everything it is given.
+    tp = TracerProvider(resource=resource, id_generator=ids, sampler=ALWAYS_ON)
+    if _overrides.span_processor is not None:
+        tp.add_span_processor(_overrides.span_processor())
+    else:
+        exporter = make_span_exporter()
+        if exporter is not None:
+            tp.add_span_processor(BatchSpanProcessor(exporter))
+    if _overrides.metric_reader is not None:
+        readers = [_overrides.metric_reader()]
+    else:
+        reader = make_metric_reader()
+        readers = [reader] if reader is not None else []
+    mp = MeterProvider(resource=resource, metric_readers=readers)
+    return Providers(tp, mp, ids)

@@ -1,0 +1,209 @@
+"""Records -> OpenTelemetry spans, with explicit timestamps and derived ids.
+
+Runs on the drain thread only. Parentage:
+
+    kv.recovery (root, scheduler; id from the episode key)
+      kv.job      (scheduler; id from (scheduler generation, job id))
+        kv.transfer   (each rank)
+      kv.admission  (scheduler; id from the episode key)
+        kv.first_compute (each rank)
+
+Ordinary offload traffic has the same shape under a ``kv.request`` root whose
+trace id comes from (scheduler generation, request id).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from kvobs_otel import identity
+from kvobs_otel.lifecycle import records as rec
+from kvobs_otel.telemetry import attributes as A
+from kvobs_otel.telemetry.providers import SCOPE, Providers
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def parse_traceparent(value: str | None) -> SpanContext | None:
+    """W3C traceparent -> remote SpanContext, or None when malformed."""
+    if not value or not isinstance(value, str):
+        return None
+    parts = value.strip().split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        tid, sid, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3][:2], 16)
+    except ValueError:
+        return None
+    if not tid or not sid:
+        return None
+    return SpanContext(tid, sid, is_remote=True, trace_flags=TraceFlags(flags))
+
+
+def _parent(trace_id: int, span_id: int) -> Any:
+    return trace.set_span_in_context(trace.NonRecordingSpan(
+        SpanContext(trace_id, span_id, is_remote=True, trace_flags=_SAMPLED)))
+
+
+class SpanBuilder:
+    def __init__(self, providers: Providers, traffic_ratio: float, roster_cap: int) -> None:
+        self.tracer = providers.tracer_provider.get_tracer(SCOPE)
+        self.ids = providers.ids
+        self.ratio = traffic_ratio
+        self.cap = roster_cap
+        # monotonic -> wall clock, once per process (explicit span timestamps)
+        self.offset_ns = time.time_ns() - time.monotonic_ns()
+        self.spans_built = 0
+        self.unsampled = 0
+
+    # -- helpers ------------------------------------------------------------------
+    def _ids_list(self, attrs: dict[str, Any], key: str, values: list[int]) -> None:
+        attrs[key] = list(values[: self.cap])
+        if len(values) > self.cap:
+            attrs[key + A.LIST_DROPPED_SUFFIX] = len(values) - self.cap
+
+    def _span(self, name: str, parent: Any, start_ns: int, end_ns: int,
+              attrs: dict[str, Any], *, trace_id: int | None = None, span_id: int | None = None,
+              error: str | None = None, links: list[Link] | None = None,
+              events: list[rec.EpisodeEvent] | None = None) -> None:
+        self.ids.prime(trace_id, span_id)
+        span = self.tracer.start_span(
+            name, context=parent, kind=SpanKind.INTERNAL, attributes=attrs,
+            links=links, start_time=start_ns + self.offset_ns)
+        for e in events or ():
+            span.add_event(e.name, e.attributes, timestamp=e.t_ns + self.offset_ns)
+        if error is not None:
+            span.set_attribute(A.ERROR_TYPE, error)
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=max(end_ns, start_ns) + self.offset_ns)
+        self.spans_built += 1
+
+    def _traffic_parent(self, sched_gen: str, req_id: str) -> Any | None:
+        tid, sid = identity.request_ids(sched_gen, req_id)
+        if not identity.traffic_sampled(tid, self.ratio):
+            self.unsampled += 1
+            return None
+        return _parent(tid, sid)
+
+    def _trace_for(self, sched_gen: str, req_id: str | None, epoch: int) -> Any | None:
+        if req_id is None:
+            return None
+        if epoch:
+            return _parent(*identity.episode_ids(sched_gen, req_id, epoch))
+        return self._traffic_parent(sched_gen, req_id)
+
+    @staticmethod
+    def _link(traceparent: str | None) -> list[Link] | None:
+        ctx = parse_traceparent(traceparent)
+        return [Link(ctx, {"kvobs.link": "vllm.request"})] if ctx else None
+
+    # -- records ------------------------------------------------------------------
+    def build(self, r: Any) -> None:
+        if isinstance(r, rec.TransferRecord):
+            self._transfer(r)
+        elif isinstance(r, rec.JobRecord):
+            self._job(r)
+        elif isinstance(r, rec.EpisodeRecord):
+            self._episode(r)
+        elif isinstance(r, rec.FirstComputeRecord):
+            self._first_compute(r)
+        elif isinstance(r, rec.RequestRecord):
+            self._request(r)
+
+    def _job(self, r: rec.JobRecord) -> None:
+        root = self._trace_for(r.sched_gen, r.req_id, r.episode_epoch)
+        if root is None:
+            return
+        attrs: dict[str, Any] = {
+            A.REQUEST_ID: r.req_id, A.JOB_ID: r.job_id, A.JOB_KIND: r.kind,
+            A.JOB_SYNC: r.sync, A.BLOCKS: r.blocks, A.SCHED_GEN: r.sched_gen,
+            A.RECEIPT_EXPECTED: r.expected_ranks, A.OUTCOME: r.outcome,
+            A.JOB_FLUSHED: r.flushed,
+        }
+        self._ids_list(attrs, A.RECEIPT_RANKS, r.receipt_ranks)
+        self._ids_list(attrs, A.RECEIPT_MISSING, r.missing_ranks)
+        if r.duplicate_receipts:
+            attrs[A.RECEIPT_DUPLICATES] = r.duplicate_receipts
+        if r.episode_role:
+            attrs[A.JOB_ROLE] = r.episode_role
+            attrs[A.EPOCH] = r.episode_epoch
+        self._span(A.SPAN_JOB, root, r.start_ns, r.end_ns, attrs,
+                   span_id=identity.job_span_id(r.sched_gen, r.job_id),
+                   error=None if r.outcome == rec.COMPLETE else r.outcome)
+
+    def _transfer(self, r: rec.TransferRecord) -> None:
+        if self._trace_for(r.sched_gen, r.req_id, r.episode_epoch) is None:
+            return
+        tid = (identity.episode_ids(r.sched_gen, r.req_id, r.episode_epoch)[0]
+               if r.episode_epoch else identity.request_ids(r.sched_gen, r.req_id)[0])
+        parent = _parent(tid, identity.job_span_id(r.sched_gen, r.job_id))
+        attrs: dict[str, Any] = {
+            A.REQUEST_ID: r.req_id, A.JOB_ID: r.job_id, A.DIRECTION: r.direction,
+            A.BLOCKS: r.blocks, A.RANK: r.rank, A.WORKER_GEN: r.worker_gen,
+            A.SCHED_GEN: r.sched_gen, A.OUTCOME: r.outcome, A.EXPEDITED: r.expedited,
+        }
+        if r.size_bytes is not None:
+            attrs[A.BYTES] = int(r.size_bytes)
+        if r.device_time_s is not None:
+            attrs[A.DEVICE_DURATION] = float(r.device_time_s)
+        if r.episode_epoch:
+            attrs[A.EPOCH] = r.episode_epoch
+        self._span(A.SPAN_TRANSFER, parent, r.start_ns, r.end_ns, attrs,
+                   error=None if r.outcome == rec.TRANSFER_OK else f"transfer_{r.outcome}")
+
+    def _first_compute(self, r: rec.FirstComputeRecord) -> None:
+        tid, _ = identity.episode_ids(r.sched_gen, r.req_id, r.epoch)
+        parent = _parent(tid, identity.admission_span_id(r.sched_gen, r.req_id, r.epoch))
+        self._span(A.SPAN_FIRST_COMPUTE, parent, r.start_ns, r.end_ns, {
+            A.REQUEST_ID: r.req_id, A.EPOCH: r.epoch, A.RANK: r.rank,
+            A.WORKER_GEN: r.worker_gen, A.COMPUTE_KIND: r.compute_kind,
+            A.SCHED_GEN: r.sched_gen})
+
+    def _episode(self, r: rec.EpisodeRecord) -> None:
+        tid, sid = identity.episode_ids(r.sched_gen, r.req_id, r.epoch)
+        attrs: dict[str, Any] = {
+            A.REQUEST_ID: r.req_id, A.EPOCH: r.epoch, A.SCHED_GEN: r.sched_gen,
+            A.OUTCOME: r.outcome, A.RECEIPT_EXPECTED: r.expected_ranks,
+        }
+        self._ids_list(attrs, A.PRESERVE_JOBS, r.preserve_jobs)
+        self._ids_list(attrs, A.RESTORE_JOBS, r.restore_jobs)
+        if r.admitted_ns is not None:
+            self._ids_list(attrs, A.FIRST_COMPUTE_RANKS, r.first_compute_ranks)
+        if r.missing_first_compute_ranks:
+            self._ids_list(attrs, A.FIRST_COMPUTE_MISSING, r.missing_first_compute_ranks)
+        if r.incomplete_jobs:
+            self._ids_list(attrs, A.INCOMPLETE_JOBS, r.incomplete_jobs)
+        if r.compute_kind:
+            attrs[A.COMPUTE_KIND] = r.compute_kind
+        failed = r.outcome in (rec.RECEIPT_INCOMPLETE, rec.FIRST_COMPUTE_INCOMPLETE,
+                               rec.ABANDONED)
+        links = list(self._link(r.traceparent) or [])
+        rtid, rsid = identity.request_ids(r.sched_gen, r.req_id)
+        if identity.traffic_sampled(rtid, self.ratio):
+            links.append(Link(SpanContext(rtid, rsid, is_remote=True, trace_flags=_SAMPLED),
+                              {"kvobs.link": "kv.request"}))
+        self._span(A.SPAN_RECOVERY, None, r.start_ns, r.end_ns, attrs, trace_id=tid,
+                   span_id=sid, error=r.outcome if failed else None, links=links or None,
+                   events=r.events)
+        if r.admitted_ns is not None:
+            ready = r.ready_ns if r.ready_ns is not None else r.admitted_ns
+            adm: dict[str, Any] = {A.REQUEST_ID: r.req_id, A.EPOCH: r.epoch,
+                                   A.COMPUTE_KIND: r.compute_kind or "",
+                                   A.SCHED_GEN: r.sched_gen}
+            self._ids_list(adm, A.ROSTER, sorted(r.restore_jobs))
+            self._span(A.SPAN_ADMISSION, _parent(tid, sid), min(ready, r.admitted_ns),
+                       r.admitted_ns, adm,
+                       span_id=identity.admission_span_id(r.sched_gen, r.req_id, r.epoch))
+
+    def _request(self, r: rec.RequestRecord) -> None:
+        tid, sid = identity.request_ids(r.sched_gen, r.req_id)
+        if not identity.traffic_sampled(tid, self.ratio):
+            return
+        self._span(A.SPAN_REQUEST, None, r.start_ns, r.end_ns, {
+            A.REQUEST_ID: r.req_id, A.SCHED_GEN: r.sched_gen, A.OUTCOME: r.outcome,
+            A.JOBS: r.jobs}, trace_id=tid, span_id=sid, links=self._link(r.traceparent),
+            error="abandoned" if r.outcome == rec.ABANDONED else None)

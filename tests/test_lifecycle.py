@@ -1,0 +1,144 @@
+"""The lifecycle state machines on hand-made event sequences.
+
+These pin the receipt, deadline and episode rules independently of vLLM; the
+end-to-end behaviour on real vLLM is in test_vllm_*.py.
+"""
+
+from __future__ import annotations
+
+from kvobs_otel.lifecycle import events as ev
+from kvobs_otel.lifecycle import records as rec
+from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
+from kvobs_otel.lifecycle.worker_state import WorkerLifecycle
+
+S = 1_000_000_000
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.records: list[object] = []
+
+    def emit(self, record: object) -> None:
+        self.records.append(record)
+
+    def of(self, cls: type) -> list:
+        return [r for r in self.records if isinstance(r, cls)]
+
+
+def sched(world: int = 2, deadline: float = 1.0) -> tuple[SchedulerLifecycle, ListSink]:
+    sink = ListSink()
+    return SchedulerLifecycle("g" * 32, world, deadline, sink), sink
+
+
+def step(lc, t, preempted=(), loads=(), stores=(), flushed=(), admitted=()):
+    lc.handle((lc, ev.S_STEP, t, tuple(preempted), tuple(loads), tuple(stores),
+               tuple(flushed), tuple(admitted)))
+
+
+def receipts(lc, t, reporters=(), computed=()):
+    lc.handle((lc, ev.S_RECEIPTS, t, tuple(reporters), tuple(computed)))
+
+
+def test_receipt_completes_only_when_every_rank_reported_once():
+    lc, sink = sched(world=2)
+    step(lc, 0, stores=[(7, "r1", 4)])
+    receipts(lc, 10, [(0, "w0", (7,))])
+    receipts(lc, 11, [(0, "w0", (7,))])  # duplicate from rank 0
+    assert not sink.of(rec.JobRecord)
+    receipts(lc, 20, [(1, "w1", (7,))])
+    (job,) = sink.of(rec.JobRecord)
+    assert job.outcome == rec.COMPLETE
+    assert job.receipt_ranks == [0, 1] and job.missing_ranks == []
+    assert job.duplicate_receipts == 1 and job.end_ns == 20
+
+
+def test_deadline_names_missing_rank_and_late_receipt_is_counted():
+    lc, sink = sched(world=2, deadline=1.0)
+    step(lc, 0, loads=[(3, "r1", False, 2)])
+    receipts(lc, 5, [(0, "w0", (3,))])
+    lc.tick(S // 2)
+    assert not sink.of(rec.JobRecord)
+    lc.tick(S + 1)
+    (job,) = sink.of(rec.JobRecord)
+    assert job.outcome == rec.RECEIPT_INCOMPLETE and job.missing_ranks == [1]
+    receipts(lc, 2 * S, [(1, "w1", (3,))])
+    assert lc.late_receipts == 1 and lc.open_receipts == 0
+
+
+def test_episode_chain_preserve_restore_admission_first_compute():
+    lc, sink = sched(world=2)
+    step(lc, 0, stores=[(1, "r", 4)])
+    step(lc, 10, preempted=[("r", 1)], flushed=[1])
+    receipts(lc, 20, [(0, "a", (1,)), (1, "b", (1,))])
+    step(lc, 30, loads=[(2, "r", False, 4)])
+    receipts(lc, 40, [(0, "a", (2,)), (1, "b", (2,))])
+    step(lc, 50, admitted=[("r", 1, "decode")])
+    receipts(lc, 60, computed=[(0, "a", "r", 1)])
+    assert not sink.of(rec.EpisodeRecord)
+    receipts(lc, 70, computed=[(1, "b", "r", 1)])
+    (ep,) = sink.of(rec.EpisodeRecord)
+    assert ep.outcome == rec.RECOVERED and ep.epoch == 1
+    assert ep.preserve_jobs == [1] and ep.restore_jobs == [2]
+    assert (ep.start_ns, ep.ready_ns, ep.admitted_ns, ep.end_ns) == (10, 40, 50, 70)
+    assert ep.first_compute_ranks == [0, 1]
+    assert [e.name for e in ep.events] == ["kv.requeued", "kv.preserve"]
+    roles = {j.job_id: j.episode_role for j in sink.of(rec.JobRecord)}
+    assert roles == {1: rec.PRESERVE, 2: rec.RESTORE}
+
+
+def test_second_preemption_closes_first_episode_and_opens_epoch_two():
+    lc, sink = sched(world=1)
+    step(lc, 0, preempted=[("r", 1)])
+    step(lc, 5, admitted=[("r", 1, "prefill")])
+    step(lc, 10, preempted=[("r", 2)])
+    (first,) = sink.of(rec.EpisodeRecord)
+    assert first.epoch == 1 and first.outcome == rec.PREEMPTED_AGAIN
+    assert lc.episodes["r"].epoch == 2
+
+
+def test_incomplete_restore_ends_episode_with_error_and_abort_before_resume():
+    lc, sink = sched(world=2, deadline=1.0)
+    step(lc, 0, preempted=[("a", 1), ("b", 1)])
+    step(lc, 1, loads=[(9, "a", False, 1)])
+    receipts(lc, 2, [(0, "w", (9,))])
+    lc.tick(2 * S)
+    lc.handle((lc, ev.S_FINISHED, 3 * S, "b", True))
+    eps = {e.req_id: e for e in sink.of(rec.EpisodeRecord)}
+    assert eps["a"].outcome == rec.RECEIPT_INCOMPLETE and eps["a"].incomplete_jobs == [9]
+    assert eps["b"].outcome == rec.ABORTED_BEFORE_RESUME
+
+
+def test_shutdown_abandons_open_jobs_and_episodes():
+    lc, sink = sched(world=2)
+    step(lc, 0, stores=[(1, "r", 1)], preempted=[("q", 1)])
+    lc.handle((lc, ev.S_SHUTDOWN, 50))
+    assert [j.outcome for j in sink.of(rec.JobRecord)] == [rec.ABANDONED]
+    assert [e.outcome for e in sink.of(rec.EpisodeRecord)] == [rec.ABANDONED]
+    (req,) = sink.of(rec.RequestRecord)
+    assert req.req_id == "r" and req.outcome == rec.ABANDONED
+
+
+def test_worker_transfer_from_submit_to_result_and_cancel_at_shutdown():
+    sink = ListSink()
+    w = WorkerLifecycle(rank=1, worker_gen="w1", sink=sink)
+    w.handle((w, ev.W_STEP, 0, "g", ((5, "r", 3),), ((6, "r", 2),), (), {"r": 2}))
+    w.handle((w, ev.W_SUBMIT, 10, 5, True, True, True))
+    w.handle((w, ev.W_SUBMIT, 11, 6, False, True, False))
+    w.handle((w, ev.W_RESULT, 30, 5, True, 4096, 0.001))
+    w.handle((w, ev.W_SHUTDOWN, 40))
+    t5, t6 = sink.of(rec.TransferRecord)
+    assert (t5.direction, t5.episode_epoch, t5.size_bytes, t5.start_ns, t5.end_ns) == (
+        "h2d", 2, 4096, 10, 30)
+    assert t5.expedited and t5.rank == 1 and t5.blocks == 3
+    assert (t6.direction, t6.outcome, t6.episode_epoch) == ("d2h", rec.TRANSFER_CANCELLED, 0)
+
+
+def test_worker_flushed_store_of_preempted_request_joins_episode():
+    sink = ListSink()
+    w = WorkerLifecycle(rank=0, worker_gen="w0", sink=sink)
+    w.handle((w, ev.W_STEP, 0, "g", (), ((6, "r", 2),), (), {}))
+    w.handle((w, ev.W_STEP, 5, "g", (), (), (6,), {"r": 1}))
+    w.handle((w, ev.W_SUBMIT, 6, 6, False, True, False))
+    w.handle((w, ev.W_RESULT, 7, 6, True, 10, None))
+    (t,) = sink.of(rec.TransferRecord)
+    assert t.episode_epoch == 1 and t.direction == "d2h"

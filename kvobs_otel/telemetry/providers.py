@@ -83,7 +83,15 @@ def _protocol(signal: str) -> str:
             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
 
 
+ENV_TRACES_FILE = "KVOBS_OTEL_TRACES_FILE"
+
+
 def make_span_exporter() -> SpanExporter | None:
+    path = os.environ.get(ENV_TRACES_FILE, "").strip()
+    if path:
+        # The embedded default of the demo: an OTLP JSON file, no server needed.
+        from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
+        return OtlpJsonFileSpanExporter(path)
     choice = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
     if choice == "none":
         return None

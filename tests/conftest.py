@@ -1,0 +1,75 @@
+"""Shared fixtures: observation switched on against in-memory exporters."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import kvobs_otel
+from kvobs_otel.config import Settings
+from kvobs_otel.telemetry.providers import set_export_overrides
+
+# Keep vLLM quiet and single-threaded enough for 2 cores.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class Telemetry:
+    exporter: InMemorySpanExporter = field(default_factory=InMemorySpanExporter)
+    readers: list[InMemoryMetricReader] = field(default_factory=list)
+
+    def spans(self, name: str | None = None) -> list[ReadableSpan]:
+        spans = list(self.exporter.get_finished_spans())
+        return [s for s in spans if name is None or s.name == name]
+
+    def metric_points(self, metric: str) -> list[tuple[dict, float]]:
+        """(attributes, value) of every data point of ``metric`` across readers."""
+        out = []
+        for reader in self.readers:
+            data = reader.get_metrics_data()
+            for rm in data.resource_metrics if data else ():
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        if m.name != metric:
+                            continue
+                        for p in m.data.data_points:
+                            value = getattr(p, "value", None)
+                            if value is None:
+                                value = getattr(p, "count", 0)
+                            out.append((dict(p.attributes), value))
+        return out
+
+    def metric_total(self, metric: str, **match: object) -> float:
+        return sum(v for a, v in self.metric_points(metric)
+                   if all(a.get(k) == want for k, want in match.items()))
+
+
+@pytest.fixture
+def telemetry() -> Iterator[Telemetry]:
+    t = Telemetry()
+
+    def reader() -> InMemoryMetricReader:
+        r = InMemoryMetricReader()
+        t.readers.append(r)
+        return r
+
+    set_export_overrides(span_processor=lambda: SimpleSpanProcessor(t.exporter),
+                         metric_reader=reader)
+    yield t
+    set_export_overrides(None, None)
+
+
+@pytest.fixture
+def observe(telemetry: Telemetry) -> Iterator[Telemetry]:
+    """Instrumentation on (short receipt deadline), in-memory export."""
+    assert kvobs_otel.instrument(Settings(enabled=True, receipt_deadline_s=1.0,
+                                          traffic_sample_ratio=1.0, drain_interval_s=0.02))
+    yield telemetry
+    kvobs_otel.uninstrument()

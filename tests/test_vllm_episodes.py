@@ -1,0 +1,205 @@
+"""Recovery episodes and offload traffic on the real vLLM scheduler, KV cache
+manager and OffloadingConnector (CPU harness, ranks inline), exported through
+the SDK's in-memory exporter."""
+
+from __future__ import annotations
+
+import pytest
+
+from chains import assert_recovered_chain, by_trace, episodes, view
+from kvobs_otel.harness.engine import Harness, HarnessConfig
+from kvobs_otel.harness.workload import pressure_workload
+from kvobs_otel.pipeline import current_pipeline
+
+
+def run(cfg: HarnessConfig, **workload) -> Harness:
+    with Harness(cfg) as h:
+        pressure_workload(h, **workload)
+        h.run_until_idle(2000)
+    current_pipeline().flush()
+    return h
+
+
+@pytest.mark.parametrize("model_runner", ["v2", "v1"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_every_recovery_is_one_complete_trace_across_two_ranks(
+        observe, model_runner, async_scheduling):
+    run(HarnessConfig(num_ranks=2, model_runner=model_runner,
+                      async_scheduling=async_scheduling))
+    eps = episodes(observe.spans())
+    recovered = [(r, t) for r, t in eps if r.attrs["kvobs.outcome"] == "recovered"]
+    assert recovered, [r.attrs for r, _ in eps]
+    restored = 0
+    for root, trace in recovered:
+        assert_recovered_chain(trace, {0, 1})
+        restored += bool(root.attrs.get("kvobs.restore.job_ids"))
+    assert restored >= 1, "the workload must exercise the restore path"
+    assert current_pipeline().error_counts() == {}
+    assert observe.metric_total("kvobs.recovery.episodes", outcome="recovered") == len(recovered)
+    assert observe.metric_total("kvobs.receipts.incomplete") == 0
+
+
+def test_preserve_flush_transfers_belong_to_the_episode(observe):
+    run(HarnessConfig(num_ranks=2))
+    for root, trace in episodes(observe.spans()):
+        preserved = set(root.attrs.get("kvobs.preserve.job_ids", ()))
+        flushed = [s for s in trace if s.name == "kv.transfer" and s.attrs["kvobs.job.id"]
+                   in preserved]
+        # A preserve job is a store: only the writer ranks copy (all, here).
+        assert all(s.attrs["kvobs.direction"] == "d2h" for s in flushed)
+        for job_id in preserved:
+            job = [s for s in trace if s.name == "kv.job" and s.attrs["kvobs.job.id"] == job_id]
+            assert job and job[0].attrs["kvobs.job.role"] == "preserve"
+
+
+def test_ordinary_stores_form_per_request_traces(observe):
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        h.add_request("solo", 64, max_tokens=8)
+        h.run_until_idle(200)
+    current_pipeline().flush()
+    spans = [view(s) for s in observe.spans()]
+    assert not [s for s in spans if s.name == "kv.recovery"]
+    (root,) = [s for s in spans if s.name == "kv.request"]
+    assert root.parent_id is None and root.attrs["kvobs.request.id"] == "solo"
+    assert root.attrs["kvobs.outcome"] == "finished"
+    trace = by_trace(observe.spans())[root.trace_id]
+    jobs = [s for s in trace if s.name == "kv.job"]
+    assert jobs and all(j.attrs["kvobs.job.kind"] == "store" for j in jobs)
+    for job in jobs:
+        transfers = [s for s in trace if s.name == "kv.transfer"
+                     and s.parent_id == job.span_id]
+        assert {t.attrs["kvobs.rank"] for t in transfers} == {0, 1}
+        assert all(t.attrs["kvobs.direction"] == "d2h" for t in transfers)
+    assert observe.metric_total("kvobs.transfers", direction="d2h", outcome="ok") == len(
+        [s for s in trace if s.name == "kv.transfer"])
+    assert observe.metric_total("kvobs.transfer.bytes", direction="d2h") > 0
+
+
+def test_second_preemption_opens_epoch_two(observe):
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        h.add_request("twice", 64, max_tokens=40)
+        for _ in range(3):
+            h.step()
+        h.preempt("twice")
+        for _ in range(4):
+            h.step()
+        h.preempt("twice")
+        h.run_until_idle(400)
+    current_pipeline().flush()
+    roots = {r.attrs["kvobs.recovery.epoch"]: r for r, _ in episodes(observe.spans())
+             if r.attrs["kvobs.request.id"] == "twice"}
+    assert set(roots) == {1, 2}
+    assert roots[1].trace_id != roots[2].trace_id
+    assert roots[2].attrs["kvobs.outcome"] == "recovered"
+
+
+def test_restore_through_cpu_when_gpu_prefix_cache_is_evicted(observe):
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        h.add_request("r", 64, max_tokens=24)
+        for _ in range(3):
+            h.step()
+        h.preempt("r")
+        # Before re-admission: the freed blocks leave the GPU prefix cache.
+        assert h.evict_gpu_prefix_cache() > 0
+        h.run_until_idle(400)
+    current_pipeline().flush()
+    ((root, trace),) = episodes(observe.spans())
+    assert_recovered_chain(trace, {0, 1})
+    assert root.attrs["kvobs.restore.job_ids"]
+
+
+def test_sync_load_restores_before_the_forward(observe):
+    cfg = HarnessConfig(num_ranks=2, extra_config={"sync_load_budget_bytes": 1 << 30})
+    with Harness(cfg) as h:
+        h.add_request("s", 64, max_tokens=24)
+        for _ in range(3):
+            h.step()
+        h.preempt("s")
+        h.evict_gpu_prefix_cache()
+        h.run_until_idle(400)
+    current_pipeline().flush()
+    ((root, trace),) = episodes(observe.spans())
+    assert_recovered_chain(trace, {0, 1})
+    (job_id,) = root.attrs["kvobs.restore.job_ids"]
+    job = next(s for s in trace if s.name == "kv.job" and s.attrs["kvobs.job.id"] == job_id)
+    assert job.attrs["kvobs.job.sync"] is True
+    transfers = [s for s in trace if s.name == "kv.transfer" and s.attrs["kvobs.job.id"] == job_id]
+    assert transfers and all(t.attrs["kvobs.expedited"] for t in transfers)
+
+
+def test_withheld_rank_ends_job_as_error_naming_it(observe):
+    cfg = HarnessConfig(num_ranks=2, stall={"rank": 1, "kind": "load"})
+    with Harness(cfg) as h:
+        h.add_request("w", 64, max_tokens=24)
+        for _ in range(3):
+            h.step()
+        h.preempt("w")
+        h.evict_gpu_prefix_cache()
+        for _ in range(12):
+            h.step()
+        import time
+        time.sleep(1.3)  # past the 1 s receipt deadline of the fixture
+        current_pipeline().flush()
+        spans = [view(s) for s in observe.spans()]
+        (job,) = [s for s in spans if s.name == "kv.job" and s.attrs["kvobs.job.kind"] == "load"]
+        assert job.error and job.attrs["kvobs.outcome"] == "receipt_incomplete"
+        assert list(job.attrs["kvobs.receipt.missing_ranks"]) == [1]
+        assert list(job.attrs["kvobs.receipt.ranks"]) == [0]
+        (root,) = [s for s in spans if s.name == "kv.recovery"]
+        assert root.error and root.attrs["kvobs.outcome"] == "receipt_incomplete"
+        assert observe.metric_total("kvobs.receipts.incomplete", kind="load") == 1
+
+
+def test_abort_while_restore_in_flight_ends_episode_before_resume(observe):
+    cfg = HarnessConfig(num_ranks=2, stall={"rank": 0, "kind": "load"})
+    with Harness(cfg) as h:
+        h.add_request("a", 64, max_tokens=24)
+        for _ in range(3):
+            h.step()
+        h.preempt("a")
+        h.evict_gpu_prefix_cache()
+        for _ in range(3):
+            h.step()
+        assert any(j.req_id == "a" for j in h.restore_jobs)
+        h.abort("a")
+        h.run(3)
+    current_pipeline().flush()
+    (root,) = [view(s) for s in observe.spans("kv.recovery")]
+    assert root.attrs["kvobs.outcome"] == "aborted_before_resume"
+    assert not root.error
+
+
+def test_reset_cache_preempts_running_requests_and_loses_nothing(observe):
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        pressure_workload(h)
+        for _ in range(40):
+            h.step()
+        running = {r.request_id for r in h.scheduler.running}
+        assert running
+        assert h.reset_cache(reset_running_requests=True)
+        h.run_until_idle(2000)
+    current_pipeline().flush()
+    spans = [view(s) for s in observe.spans()]
+    assert current_pipeline().error_counts() == {}
+    # Jobs flushed by the reset still get every rank's receipt.
+    jobs = [s for s in spans if s.name == "kv.job"]
+    assert jobs and all(j.attrs["kvobs.outcome"] == "complete" for j in jobs)
+    # reset_prefix_cache preempts every running request: each one is an episode.
+    roots = [r for r in spans if r.name == "kv.recovery"]
+    assert running <= {r.attrs["kvobs.request.id"] for r in roots}
+    assert all(r.attrs["kvobs.outcome"] == "recovered" for r in roots)
+
+
+def test_trace_headers_link_kv_traces_to_vllm_request_trace(observe):
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with Harness(HarnessConfig(num_ranks=1)) as h:
+        h.add_request("t", 64, max_tokens=24, trace_headers={"traceparent": tp})
+        for _ in range(3):
+            h.step()
+        h.preempt("t")
+        h.run_until_idle(300)
+    current_pipeline().flush()
+    for name in ("kv.recovery", "kv.request"):
+        (span,) = observe.spans(name)
+        linked = {(ln.context.trace_id, ln.context.span_id) for ln in span.links}
+        assert (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331) in linked

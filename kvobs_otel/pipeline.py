@@ -40,10 +40,13 @@ class Observer:
         self.providers = make_providers(resource_attributes)
         self.spans = SpanBuilder(self.providers, s.traffic_sample_ratio, s.roster_cap)
         self.lifecycle = make_lifecycle(self)
+        # Drops and errors are per process: exactly one observer reports them.
         self.metrics = MetricsBuilder(
             self.providers,
-            open_receipts=getattr(self.lifecycle, "open_receipts_fn", None),
-            drops=pipeline.drop_counts, errors=pipeline.error_counts)
+            open_receipts=((lambda: self.lifecycle.open_receipts)
+                           if hasattr(self.lifecycle, "open_receipts") else None),
+            drops=lambda: pipeline.drop_counts() if pipeline.is_primary(self) else {},
+            errors=lambda: pipeline.error_counts() if pipeline.is_primary(self) else {})
         self.closed = False
 
     # RecordSink
@@ -110,6 +113,10 @@ class Pipeline:
         with self._lock:
             self.observers.append(observer)
         self._ensure_thread()
+
+    def is_primary(self, observer: Observer) -> bool:
+        observers = self.observers
+        return bool(observers) and observers[0] is observer
 
     def unregister(self, observer: Observer) -> None:
         with self._lock:
@@ -179,6 +186,18 @@ def get_pipeline(settings: Settings) -> Pipeline:
 
 def current_pipeline() -> Pipeline | None:
     return _pipeline
+
+
+def close_pipeline() -> None:
+    """Flush and close every observer, stop the drain thread (uninstrument)."""
+    global _pipeline
+    with _pipeline_lock:
+        pipeline, _pipeline = _pipeline, None
+    if pipeline is None or pipeline._pid != os.getpid():
+        return
+    for observer in list(pipeline.observers):
+        observer.close()
+    pipeline.stop()
 
 
 def _after_fork_in_child() -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from chains import assert_recovered_chain, by_trace, episodes, view
 from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.harness.workload import pressure_workload
 from kvobs_otel.pipeline import current_pipeline
+
+from chains import assert_recovered_chain, by_trace, episodes, view
 
 
 def run(cfg: HarnessConfig, **workload) -> Harness:

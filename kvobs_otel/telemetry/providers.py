@@ -19,7 +19,7 @@ from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
@@ -157,8 +157,8 @@ def make_resource(attributes: dict[str, Any]) -> Resource:
         "process.pid": os.getpid(),
     }
     base.update({k: v for k, v in attributes.items() if v is not None})
-    # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME on top.
-    return Resource.create(base)
+    # The user's OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME win over ours.
+    return Resource.create(base).merge(OTELResourceDetector().detect())
 
 
 @dataclass

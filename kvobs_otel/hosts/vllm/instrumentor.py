@@ -183,6 +183,9 @@ def unpatch_classes() -> None:
             s.unwrap_workers()
     _connectors.clear()
     _settings = None
+    from kvobs_otel.pipeline import close_pipeline
+
+    close_pipeline()
 
 
 def is_patched() -> bool:

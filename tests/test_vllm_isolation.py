@@ -1,0 +1,162 @@
+"""Never hurt serving: off means off, on changes no scheduling decision, and
+the observer's own failures, full buffer or bad settings never reach vLLM."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+import kvobs_otel
+from kvobs_otel.config import Settings
+from kvobs_otel.harness.engine import Harness, HarnessConfig
+from kvobs_otel.harness.workload import pressure_workload
+from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
+from kvobs_otel.pipeline import current_pipeline
+from kvobs_otel.telemetry.metrics import MetricsBuilder
+from kvobs_otel.telemetry.spans import SpanBuilder
+
+EXPLICIT = {"connector": "KvobsOffloadingConnector",
+            "connector_module_path": "kvobs_otel.connector"}
+
+
+def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[tuple]:
+    """Every step's SchedulerOutput, reduced to what the scheduler decided."""
+    out = []
+    with Harness(HarnessConfig(num_ranks=2, **(connector or {}), **cfg)) as h:
+        pressure_workload(h)
+        records = h.run_until_idle(2000)
+        if before_close is not None:
+            before_close()
+        for rec in records:
+            so = rec.scheduler_output
+            if so is None:
+                out.append(None)
+                continue
+            meta = so.kv_connector_metadata
+            out.append((
+                sorted((r.req_id, tuple(r.block_ids[0])) for r in so.scheduled_new_reqs),
+                sorted(so.num_scheduled_tokens.items()),
+                sorted(so.preempted_req_ids or ()),
+                sorted(so.finished_req_ids),
+                sorted((j, x.req_id, x.sync) for j, x in meta.load_jobs.items()),
+                sorted((j, x.req_id) for j, x in meta.store_jobs.items()),
+                sorted(meta.jobs_to_flush or ()),
+                sorted(rec.finished_req_ids),
+            ))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock() -> list[tuple]:
+    return decisions()
+
+
+def test_disabled_is_identical_to_uninstrumented_and_emits_nothing(
+        stock, telemetry, monkeypatch):
+    monkeypatch.setenv("KVOBS_OTEL_ENABLED", "0")
+    assert decisions(EXPLICIT) == stock
+    assert not kvobs_otel.is_instrumented()
+    assert telemetry.spans() == [] and telemetry.readers == []
+
+
+def test_enabled_changes_no_scheduling_decision(stock, observe):
+    assert decisions(EXPLICIT) == stock
+    current_pipeline().flush()
+    assert observe.spans("kv.recovery")
+
+
+def test_plugin_default_off_imports_no_sdk_and_patches_nothing():
+    code = (
+        "import sys, vllm.plugins as p; p.load_general_plugins();"
+        "import kvobs_otel;"
+        "assert not kvobs_otel.is_instrumented();"
+        "assert 'kvobs_otel.pipeline' not in sys.modules;"
+        "assert 'kvobs_otel.telemetry.providers' not in sys.modules;"
+        "print('ok')")
+    env = {"PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "ERROR"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("target", "stage"), [
+    ((SpanBuilder, "build"), "span_build"),
+    ((MetricsBuilder, "record"), "metric_record"),
+    ((SchedulerLifecycle, "handle"), "lifecycle"),
+    (("kvobs_otel.hosts.vllm.seams._blocks", None), "seam"),
+])
+def test_internal_failure_never_reaches_vllm_and_is_counted_once_logged(
+        stock, observe, monkeypatch, caplog, target, stage):
+    def boom(*_a, **_k):
+        raise RuntimeError("injected")
+
+    owner, name = target
+    if name is None:
+        monkeypatch.setattr(owner, boom)
+    else:
+        monkeypatch.setattr(owner, name, boom)
+    with caplog.at_level(logging.WARNING, logger="kvobs_otel"):
+        assert decisions(EXPLICIT) == stock
+        current_pipeline().flush()
+    errors = current_pipeline().error_counts()
+    assert errors.get(stage, 0) > 1
+    logged = [r for r in caplog.records if f"internal failure in {stage}" in r.getMessage()]
+    assert len(logged) == 1
+
+
+def test_full_buffer_drops_and_counts_without_blocking(stock, telemetry):
+    # A tiny buffer and a drain thread that never gets to run in time.
+    assert kvobs_otel.instrument(Settings(enabled=True, buffer_size=16, drain_interval_s=10.0))
+    seen = {}
+
+    def check() -> None:
+        pipeline = current_pipeline()
+        pipeline.flush()
+        seen["dropped"] = pipeline.drop_counts()["buffer_full"]
+        # Reported once per process, not once per observed connector.
+        seen["metric"] = telemetry.metric_total("kvobs.observer.dropped", reason="buffer_full")
+
+    try:
+        assert decisions(EXPLICIT, before_close=check) == stock
+        assert seen["dropped"] > 0 and seen["metric"] == seen["dropped"]
+    finally:
+        kvobs_otel.uninstrument()
+
+
+def test_uninstrument_restores_vllm_exactly(telemetry):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    before = dict(vars(OffloadingConnector)), dict(vars(OffloadingConnectorWorker))
+    assert kvobs_otel.instrument(Settings(enabled=True))
+    assert vars(OffloadingConnector)["build_connector_meta"] is not before[0][
+        "build_connector_meta"]
+    kvobs_otel.uninstrument()
+    assert dict(vars(OffloadingConnector)) == before[0]
+    assert dict(vars(OffloadingConnectorWorker)) == before[1]
+    decisions()
+    assert telemetry.spans() == []
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("KVOBS_OTEL_ENABLED", "maybe"),
+    ("KVOBS_OTEL_RECEIPT_DEADLINE_S", "-3"),
+    ("KVOBS_OTEL_BUFFER_SIZE", "lots"),
+    ("OTEL_TRACES_EXPORTER", "carrier-pigeon"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "smoke-signals"),
+])
+def test_bad_setting_keeps_observation_off_with_one_clear_error(monkeypatch, caplog, var, value):
+    monkeypatch.setenv("KVOBS_OTEL_ENABLED", "1")
+    monkeypatch.setenv(var, value)
+    with caplog.at_level(logging.ERROR, logger="kvobs_otel"):
+        assert kvobs_otel.instrument() is False
+    assert not kvobs_otel.is_instrumented()
+    (record,) = [r for r in caplog.records if r.name == "kvobs_otel"]
+    assert var in record.getMessage() and "observation stays off" in record.getMessage()

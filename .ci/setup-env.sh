@@ -25,5 +25,7 @@ if [ ! -f "$venv/.complete" ]; then
 fi
 # The project itself, editable and without dependencies (vLLM's full
 # dependency set must not be pulled). Re-run every time: the clone may move.
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$repo" >&2
+log="$venv/.install-project.log"
+"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$repo" >"$log" 2>&1 || {
+  cat "$log" >&2; exit 1; }
 echo "$venv"

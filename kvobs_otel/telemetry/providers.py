@@ -87,11 +87,6 @@ ENV_TRACES_FILE = "KVOBS_OTEL_TRACES_FILE"
 
 
 def make_span_exporter() -> SpanExporter | None:
-    path = os.environ.get(ENV_TRACES_FILE, "").strip()
-    if path:
-        # The embedded default of the demo: an OTLP JSON file, no server needed.
-        from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
-        return OtlpJsonFileSpanExporter(path)
     choice = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
     if choice == "none":
         return None
@@ -188,6 +183,11 @@ def make_providers(resource_attributes: dict[str, Any]) -> Providers:
         exporter = make_span_exporter()
         if exporter is not None:
             tp.add_span_processor(BatchSpanProcessor(exporter))
+        path = os.environ.get(ENV_TRACES_FILE, "").strip()
+        if path:
+            # Beside (or, with OTEL_TRACES_EXPORTER=none, instead of) OTLP.
+            from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
+            tp.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(path)))
     if _overrides.metric_reader is not None:
         readers = [_overrides.metric_reader()]
     else:

@@ -1,0 +1,188 @@
+"""Process-mode ranks: each rank's runner in its own OS process.
+
+Like vLLM's multiproc executor, the engine side sends every rank the pickled
+``SchedulerOutput`` over a pipe and gets the pickled ``ModelRunnerOutput``
+back. The child applies its environment before importing vLLM (plugins and
+env-driven settings are read at import/first use), installs its connector as
+the process-global worker connector, and on exit (normal or error) calls the
+connector's shutdown, as vLLM's worker does through
+``ensure_kv_transfer_shutdown``.
+
+This module must stay importable without vLLM: under ``spawn`` the child
+imports it before the environment is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import traceback
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Seconds to wait for a rank to start / answer / exit before giving up.
+START_TIMEOUT_S = 300.0
+STEP_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 30.0
+
+
+class RankProcessError(RuntimeError):
+    """A rank process failed; carries the child's traceback."""
+
+
+def _rank_main(conn: Connection, rank: int, env: dict[str, str], payload: bytes) -> None:
+    # Environment first: nothing from vLLM is imported yet in a spawned child.
+    os.environ.update(env)
+    runner = None
+    try:
+        import torch
+
+        # Ranks share 2 cores; also keeps forked children off the parent's
+        # OpenMP pool.
+        torch.set_num_threads(1)
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        from kvobs_otel.harness.runner import RankRunner
+
+        init = pickle.loads(payload)
+        runner = RankRunner(**init)
+        # One connector per process: keep it installed, as vLLM's worker does.
+        kv_transfer_state._KV_CONNECTOR_AGENT = runner.connector
+        conn.send(("ready", os.getpid()))
+        while True:
+            op, arg = conn.recv()
+            if op == "step":
+                output = runner.execute(pickle.loads(arg))
+                conn.send(("ok", pickle.dumps(output)))
+            elif op == "call":
+                # A failed query is answered, not fatal to the rank.
+                try:
+                    reply = ("ok", _call(runner, *arg))
+                except Exception:
+                    reply = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+                conn.send(reply)
+            elif op == "shutdown":
+                break
+            else:
+                raise ValueError(f"unknown op {op!r}")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        if runner is not None:
+            try:
+                runner.shutdown()
+            finally:
+                from vllm.distributed.kv_transfer import kv_transfer_state
+
+                kv_transfer_state._KV_CONNECTOR_AGENT = None
+        with contextlib.suppress(Exception):
+            conn.send(("exited", None))
+        conn.close()
+
+
+def _call(runner: Any, name: str, *args: Any) -> Any:
+    """Small read-mostly RPC surface for tests and demos."""
+    worker = runner.offloading_worker
+    if name == "stats":
+        return asdict(runner.stats)
+    if name == "withheld_job_ids":
+        return list(getattr(worker, "withheld_job_ids", []))
+    if name == "transfer_log":
+        return list(getattr(worker, "transfer_log", []))
+    if name == "check_request_kv":
+        return runner.check_request_kv(*args)
+    if name == "pid":
+        return os.getpid()
+    if name == "calls":
+        return list(getattr(runner.connector, "calls", []))
+    if name == "connector_class":
+        cls = type(runner.connector)
+        return f"{cls.__module__}.{cls.__qualname__}"
+    raise ValueError(f"unknown call {name!r}")
+
+
+class ProcessRank:
+    """Engine-side handle of one rank process."""
+
+    def __init__(
+        self,
+        rank: int,
+        init: dict[str, Any],
+        env: dict[str, str],
+        start_method: str = "spawn",
+    ) -> None:
+        self.rank = rank
+        ctx = mp.get_context(start_method)
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_rank_main,
+            args=(child_conn, rank, env, pickle.dumps(init)),
+            name=f"kvobs-harness-rank{rank}",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        self._closed = False
+        self._shutdown_sent = False
+
+    def wait_ready(self) -> None:
+        tag, value = self._recv(START_TIMEOUT_S)
+        if tag != "ready":
+            raise RankProcessError(f"rank {self.rank} did not start: {value}")
+
+    def send_step(self, scheduler_output_blob: bytes) -> None:
+        self._conn.send(("step", scheduler_output_blob))
+
+    def recv_step(self) -> Any:
+        tag, value = self._recv(STEP_TIMEOUT_S)
+        if tag != "ok":
+            raise RankProcessError(value)
+        return pickle.loads(value)
+
+    def call(self, name: str, *args: Any) -> Any:
+        self._conn.send(("call", (name, *args)))
+        tag, value = self._recv(STEP_TIMEOUT_S)
+        if tag != "ok":
+            raise RankProcessError(value)
+        return value
+
+    def _recv(self, timeout: float) -> tuple[str, Any]:
+        if not self._conn.poll(timeout):
+            raise RankProcessError(f"rank {self.rank}: no answer in {timeout:.0f}s")
+        try:
+            return self._conn.recv()
+        except EOFError as e:
+            raise RankProcessError(f"rank {self.rank} exited (code {self.process.exitcode})") from e
+
+    def request_shutdown(self) -> None:
+        """Tell the rank to shut its connector down and exit (non-blocking)."""
+        if self._shutdown_sent or not self.process.is_alive():
+            return
+        self._shutdown_sent = True
+        with contextlib.suppress(BrokenPipeError, EOFError, OSError):
+            self._conn.send(("shutdown", None))
+
+    def close(self) -> None:
+        """Shut the rank down and reap it; force if it does not exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self.request_shutdown()
+        try:
+            if self.process.is_alive():
+                # Drain until the child says it has run its shutdown.
+                while self._conn.poll(EXIT_TIMEOUT_S):
+                    tag, _ = self._conn.recv()
+                    if tag == "exited":
+                        break
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+        self.process.join(EXIT_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(EXIT_TIMEOUT_S)
+        self._conn.close()

@@ -10,8 +10,18 @@ from kvobs_otel.config import ConfigError, Settings, load_settings
 logger = logging.getLogger("kvobs_otel")
 _lock = threading.Lock()
 
-SUPPORTED_VLLM = ("0.33.0",)  # tested; see docs/compatibility.md
+TESTED_VLLM = "0.33.0"
+# The seams rely on 0.33's OffloadingConnector shape: per-job TransferJob with
+# `sync`, jobs_to_flush, OffloadingWorkerMetadata, submit_load(expedited=).
 MIN_VLLM = (0, 33, 0)
+
+
+def vllm_version_supported(version: str) -> bool:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= MIN_VLLM
 
 
 def _check_settings(settings: Settings) -> None:
@@ -50,6 +60,13 @@ def instrument(settings: Settings | None = None, *, default_enabled: bool = Fals
             logger.error("kvobs-otel: observation stays off: %s", e)
             return False
         try:
+            import vllm
+
+            if not vllm_version_supported(vllm.__version__):
+                logger.error("kvobs-otel: observation stays off: vLLM %s is older than the "
+                             "oldest supported %s", vllm.__version__,
+                             ".".join(map(str, MIN_VLLM)))
+                return False
             instrumentor.patch_classes(settings)
         except ImportError as e:
             logger.error("kvobs-otel: observation stays off: vLLM not importable (%s)", e)

@@ -160,3 +160,17 @@ def test_bad_setting_keeps_observation_off_with_one_clear_error(monkeypatch, cap
     assert not kvobs_otel.is_instrumented()
     (record,) = [r for r in caplog.records if r.name == "kvobs_otel"]
     assert var in record.getMessage() and "observation stays off" in record.getMessage()
+
+
+def test_older_vllm_is_refused_with_one_clear_error(monkeypatch, caplog):
+    import vllm
+
+    from kvobs_otel.instrumentation import vllm_version_supported
+
+    assert vllm_version_supported("0.33.0") and vllm_version_supported("0.34.1rc2")
+    assert not vllm_version_supported("0.32.9")
+    monkeypatch.setattr(vllm, "__version__", "0.30.1")
+    with caplog.at_level(logging.ERROR, logger="kvobs_otel"):
+        assert kvobs_otel.instrument(Settings(enabled=True)) is False
+    assert not kvobs_otel.is_instrumented()
+    assert "0.30.1" in caplog.records[-1].getMessage()

@@ -41,7 +41,8 @@ def _attrs(kvs: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {kv["key"]: _value(kv.get("value", {})) for kv in kvs or ()}
 
 
-def _spans_of(doc: dict[str, Any]) -> list[FileSpan]:
+def spans_from_document(doc: dict[str, Any]) -> list[FileSpan]:
+    """Flatten one OTLP/JSON ExportTraceServiceRequest document."""
     out = []
     for rs in doc.get("resourceSpans", []):
         res = _attrs(rs.get("resource", {}).get("attributes"))
@@ -69,7 +70,7 @@ def read_spans(path: str) -> list[FileSpan]:
         docs = [json.loads(text)] if text.lstrip().startswith("{") and "\n{" not in text \
             else [json.loads(line) for line in text.splitlines() if line.strip()]
         for doc in docs:
-            spans.extend(_spans_of(doc))
+            spans.extend(spans_from_document(doc))
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
         raise OtlpFileError(f"{path}: not OTLP JSON spans ({e})") from None
     return spans

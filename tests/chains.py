@@ -1,7 +1,7 @@
 """Reading exported spans back as recovery chains, for assertions.
 
 Works on SDK ``ReadableSpan`` objects (in-memory exporter) and on
-``ReceivedSpan`` (OTLP receiver) through one small view.
+``FileSpan`` (OTLP receiver, OTLP JSON files) through one small view.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ def view(span: Any) -> SpanView:
             span.parent.span_id if span.parent else None, dict(span.attributes),
             dict(span.resource.attributes), span.status.status_code.name == "ERROR",
             [e.name for e in span.events], span.start_time, span.end_time)
-    return SpanView(
+    return SpanView(  # kvobs_otel.otlp_file.FileSpan (OTLP receiver, OTLP JSON file)
         span.name, int(span.trace_id, 16), int(span.span_id, 16),
         int(span.parent_span_id, 16) if span.parent_span_id else None,
-        dict(span.attributes), dict(span.resource), span.status_code == 2,
-        [e[0] for e in span.events], span.start_ns, span.end_ns)
+        dict(span.attributes), dict(span.resource), span.error,
+        list(span.events), span.start_ns, span.end_ns)
 
 
 def by_trace(spans: list[Any]) -> dict[int, list[SpanView]]:

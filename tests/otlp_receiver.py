@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -19,58 +18,22 @@ from opentelemetry.proto.collector.metrics.v1 import (
     metrics_service_pb2_grpc,
 )
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-
-def _value(v: AnyValue) -> Any:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    if kind == "kvlist_value":
-        return {kv.key: _value(kv.value) for kv in v.kvlist_value.values}
-    return getattr(v, kind) if kind else None
-
-
-def _attrs(kvs: Any) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in kvs}
-
-
-@dataclass
-class ReceivedSpan:
-    name: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-    resource: dict[str, Any]
-    status_code: int
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    links: list[tuple[str, str]] = field(default_factory=list)
+from kvobs_otel.otlp_file import FileSpan, spans_from_document
+from kvobs_otel.telemetry.otlp_json import message_to_otlp_json
 
 
 class Store:
     def __init__(self) -> None:
-        self.spans: list[ReceivedSpan] = []
+        self.spans: list[FileSpan] = []
         self.metric_requests: list[Any] = []
         self.lock = threading.Lock()
 
     def add_traces(self, req: trace_service_pb2.ExportTraceServiceRequest) -> None:
-        out = []
-        for rs in req.resource_spans:
-            res = _attrs(rs.resource.attributes)
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    out.append(ReceivedSpan(
-                        name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                        parent_span_id=s.parent_span_id.hex(), start_ns=s.start_time_unix_nano,
-                        end_ns=s.end_time_unix_nano, attributes=_attrs(s.attributes),
-                        resource=res, status_code=s.status.code,
-                        events=[(e.name, _attrs(e.attributes)) for e in s.events],
-                        links=[(ln.trace_id.hex(), ln.span_id.hex()) for ln in s.links]))
+        # Decoded exactly as a file written by the product would be.
+        spans = spans_from_document(message_to_otlp_json(req))
         with self.lock:
-            self.spans.extend(out)
+            self.spans.extend(spans)
 
     def metric_names(self) -> set[str]:
         names = set()

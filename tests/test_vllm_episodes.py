@@ -13,6 +13,18 @@ from kvobs_otel.pipeline import current_pipeline
 from chains import assert_recovered_chain, by_trace, episodes, view
 
 
+def start_recovery(h: Harness, req_id: str, **request) -> None:
+    """Run a request a few steps, preempt it and evict its GPU prefix-cache
+    blocks, so that its re-admission must restore from CPU."""
+    h.add_request(req_id, request.pop("prompt_len", 64), max_tokens=request.pop("max_tokens", 24),
+                  **request)
+    for _ in range(3):
+        h.step()
+    h.preempt(req_id)
+    # Before re-admission: the freed blocks leave the GPU prefix cache.
+    assert h.evict_gpu_prefix_cache() > 0
+
+
 def run(cfg: HarnessConfig, **workload) -> Harness:
     with Harness(cfg) as h:
         pressure_workload(h, **workload)
@@ -96,12 +108,7 @@ def test_second_preemption_opens_epoch_two(observe):
 
 def test_restore_through_cpu_when_gpu_prefix_cache_is_evicted(observe):
     with Harness(HarnessConfig(num_ranks=2)) as h:
-        h.add_request("r", 64, max_tokens=24)
-        for _ in range(3):
-            h.step()
-        h.preempt("r")
-        # Before re-admission: the freed blocks leave the GPU prefix cache.
-        assert h.evict_gpu_prefix_cache() > 0
+        start_recovery(h, "r")
         h.run_until_idle(400)
     current_pipeline().flush()
     ((root, trace),) = episodes(observe.spans())
@@ -112,11 +119,7 @@ def test_restore_through_cpu_when_gpu_prefix_cache_is_evicted(observe):
 def test_sync_load_restores_before_the_forward(observe):
     cfg = HarnessConfig(num_ranks=2, extra_config={"sync_load_budget_bytes": 1 << 30})
     with Harness(cfg) as h:
-        h.add_request("s", 64, max_tokens=24)
-        for _ in range(3):
-            h.step()
-        h.preempt("s")
-        h.evict_gpu_prefix_cache()
+        start_recovery(h, "s")
         h.run_until_idle(400)
     current_pipeline().flush()
     ((root, trace),) = episodes(observe.spans())
@@ -131,11 +134,7 @@ def test_sync_load_restores_before_the_forward(observe):
 def test_withheld_rank_ends_job_as_error_naming_it(observe):
     cfg = HarnessConfig(num_ranks=2, stall={"rank": 1, "kind": "load"})
     with Harness(cfg) as h:
-        h.add_request("w", 64, max_tokens=24)
-        for _ in range(3):
-            h.step()
-        h.preempt("w")
-        h.evict_gpu_prefix_cache()
+        start_recovery(h, "w")
         for _ in range(12):
             h.step()
         import time
@@ -154,11 +153,7 @@ def test_withheld_rank_ends_job_as_error_naming_it(observe):
 def test_abort_while_restore_in_flight_ends_episode_before_resume(observe):
     cfg = HarnessConfig(num_ranks=2, stall={"rank": 0, "kind": "load"})
     with Harness(cfg) as h:
-        h.add_request("a", 64, max_tokens=24)
-        for _ in range(3):
-            h.step()
-        h.preempt("a")
-        h.evict_gpu_prefix_cache()
+        start_recovery(h, "a")
         for _ in range(3):
             h.step()
         assert any(j.req_id == "a" for j in h.restore_jobs)
@@ -204,3 +199,25 @@ def test_trace_headers_link_kv_traces_to_vllm_request_trace(observe):
         (span,) = observe.spans(name)
         linked = {(ln.context.trace_id, ln.context.span_id) for ln in span.links}
         assert (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331) in linked
+
+
+def test_traffic_sampling_drops_request_traces_but_keeps_episodes(telemetry):
+    import kvobs_otel
+    from kvobs_otel.config import Settings
+
+    assert kvobs_otel.instrument(Settings(enabled=True, traffic_sample_ratio=0.0))
+    try:
+        with Harness(HarnessConfig(num_ranks=2)) as h:
+            start_recovery(h, "k")
+            h.add_request("plain", 64, max_tokens=8)
+            h.run_until_idle(400)
+        current_pipeline().flush()
+    finally:
+        kvobs_otel.uninstrument()
+    names = {s.name for s in telemetry.spans()}
+    assert "kv.request" not in names
+    ((_root, trace),) = episodes(telemetry.spans())
+    assert_recovered_chain(trace, {0, 1})
+    # Ordinary stores are not in any trace, but still in the metrics.
+    assert not [s for s in telemetry.spans() if s.attributes.get("kvobs.request.id") == "plain"]
+    assert telemetry.metric_total("kvobs.transfers", direction="d2h") > 0

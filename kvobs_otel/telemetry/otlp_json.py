@@ -31,9 +31,13 @@ def _hex_ids(node: Any) -> Any:
     return node
 
 
-def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
-    msg = encode_spans(spans)
+def message_to_otlp_json(msg: Any) -> dict[str, Any]:
+    """An OTLP protobuf message in the OTLP/JSON encoding."""
     return _hex_ids(MessageToDict(msg, use_integers_for_enums=True))
+
+
+def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
+    return message_to_otlp_json(encode_spans(spans))
 
 
 class OtlpJsonFileSpanExporter(SpanExporter):

@@ -1,0 +1,31 @@
+"""The command line behaves like a Unix tool: help, version, exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvobs_otel import __version__
+from kvobs_otel.cli import main
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["demo", "--ranks", "0"], ["demo", "--requests", "x"],
+                                  ["nonsense"]])
+def test_usage_errors_exit_2_with_one_line_no_traceback(args):
+    res = subprocess.run([sys.executable, "-m", "kvobs_otel.cli", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and "error:" in res.stderr

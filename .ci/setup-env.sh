@@ -11,21 +11,26 @@ key=$(cat "$here/constraints-cpu.txt" "$here/requirements-cpu.txt" | sha256sum |
 venv="$cache/venv-$VLLM_VERSION-$key"
 py=${PYTHON:-python3}
 
+quiet() {  # run quietly; show the log only when it fails
+  local log; log=$(mktemp)
+  "$@" >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; return 1; }
+  rm -f "$log"
+}
+
 if [ ! -f "$venv/.complete" ]; then
   echo "kvobs-otel: building the CPU vLLM $VLLM_VERSION environment in $venv (first run only)" >&2
   rm -rf "$venv"
   mkdir -p "$cache"
   "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip >&2
+  quiet "$venv/bin/pip" install --upgrade pip
   # torch first: the PyPI build is a CUDA build that still runs on CPU.
-  "$venv/bin/pip" install -q -c "$here/constraints-cpu.txt" torch >&2
-  "$venv/bin/pip" install -q --no-deps "vllm==$VLLM_VERSION" >&2
-  "$venv/bin/pip" install -q -c "$here/constraints-cpu.txt" -r "$here/requirements-cpu.txt" >&2
+  quiet "$venv/bin/pip" install -c "$here/constraints-cpu.txt" torch
+  quiet "$venv/bin/pip" install --no-deps "vllm==$VLLM_VERSION"
+  # pip warns that vLLM's GPU-only requirements are missing: expected here.
+  quiet "$venv/bin/pip" install -c "$here/constraints-cpu.txt" -r "$here/requirements-cpu.txt"
   touch "$venv/.complete"
 fi
 # The project itself, editable and without dependencies (vLLM's full
 # dependency set must not be pulled). Re-run every time: the clone may move.
-log="$venv/.install-project.log"
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$repo" >"$log" 2>&1 || {
-  cat "$log" >&2; exit 1; }
+quiet "$venv/bin/pip" install --no-deps --no-build-isolation -e "$repo"
 echo "$venv"

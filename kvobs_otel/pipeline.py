@@ -46,7 +46,8 @@ class Observer:
             open_receipts=((lambda: self.lifecycle.open_receipts)
                            if hasattr(self.lifecycle, "open_receipts") else None),
             drops=lambda: pipeline.drop_counts() if pipeline.is_primary(self) else {},
-            errors=lambda: pipeline.error_counts() if pipeline.is_primary(self) else {})
+            errors=lambda: pipeline.error_counts() if pipeline.is_primary(self) else {},
+            anomalies=self.lifecycle.anomalies)
         self.closed = False
 
     # RecordSink

@@ -62,7 +62,9 @@ def test_deadline_names_missing_rank_and_late_receipt_is_counted():
     (job,) = sink.of(rec.JobRecord)
     assert job.outcome == rec.RECEIPT_INCOMPLETE and job.missing_ranks == [1]
     receipts(lc, 2 * S, [(1, "w1", (3,))])
-    assert lc.late_receipts == 1 and lc.open_receipts == 0
+    assert lc.open_receipts == 0
+    assert lc.anomalies() == {"late_receipt": 1, "unknown_job_receipt": 0,
+                              "duplicate_receipt": 0}
 
 
 def test_episode_chain_preserve_restore_admission_first_compute():

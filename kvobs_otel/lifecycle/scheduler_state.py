@@ -269,3 +269,7 @@ class SchedulerLifecycle:
     @property
     def open_receipts(self) -> int:
         return len(self.jobs)
+
+    def anomalies(self) -> dict[str, int]:
+        return {"late_receipt": self.late_receipts, "unknown_job_receipt": self.unknown_receipts,
+                "duplicate_receipt": self.duplicate_receipts}

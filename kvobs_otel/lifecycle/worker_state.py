@@ -30,6 +30,7 @@ class WorkerLifecycle:
         # job_id -> (submit_ns, is_load, expedited)
         self.inflight: dict[int, tuple[int, bool]] = {}
         self.unknown_results = 0
+        self.unjoined_results = 0
 
     def handle(self, event: tuple[Any, ...]) -> None:
         kind, t = event[1], event[2]
@@ -81,12 +82,19 @@ class WorkerLifecycle:
 
     def _emit(self, job_id, is_load, start, end, outcome, size, device_time, expedited) -> None:
         c = self.ctx.pop(job_id, None)
+        if c is None:
+            # No step metadata named this job: metrics only, no trace to join.
+            self.unjoined_results += 1
         self.sink.emit(rec.TransferRecord(
             sched_gen=self.sched_gen, job_id=job_id, req_id=c[0] if c else None,
             direction="h2d" if is_load else "d2h", blocks=c[2] if c else 0,
             size_bytes=size, device_time_s=device_time, rank=self.rank, worker_gen=self.gen,
             outcome=outcome, start_ns=start, end_ns=end, episode_epoch=c[3] if c else 0,
             expedited=expedited))
+
+    def anomalies(self) -> dict[str, int]:
+        return {"result_without_submit": self.unknown_results,
+                "transfer_without_job": self.unjoined_results}
 
     def shutdown(self, t: int) -> None:
         for job_id, (start, is_load, expedited) in list(self.inflight.items()):

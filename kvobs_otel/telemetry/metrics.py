@@ -22,7 +22,8 @@ class MetricsBuilder:
     def __init__(self, providers: Providers,
                  open_receipts: Callable[[], int] | None = None,
                  drops: Callable[[], dict[str, int]] | None = None,
-                 errors: Callable[[], dict[str, int]] | None = None) -> None:
+                 errors: Callable[[], dict[str, int]] | None = None,
+                 anomalies: Callable[[], dict[str, int]] | None = None) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
         self.transfers = m.create_counter(
             "kvobs.transfers", unit="{transfer}", description="KV transfers by direction/outcome")
@@ -58,6 +59,13 @@ class MetricsBuilder:
                 "kvobs.observer.errors", unit="{error}",
                 description="Internal observer failures contained, by stage",
                 callbacks=[self._by("stage", errors)])
+
+        if anomalies is not None:
+            m.create_observable_counter(
+                "kvobs.observer.anomalies", unit="{event}",
+                description="Host records that could not be joined (late, unknown or "
+                "duplicate receipts; results without a submission or job)",
+                callbacks=[self._by("kind", anomalies)])
 
     @staticmethod
     def _by(key: str, source: Callable[[], dict[str, int]]

@@ -24,6 +24,11 @@ from kvobs_otel.config import Settings
 
 logger = logging.getLogger("kvobs_otel")
 
+# Every stage is reported from the start (at 0), so dashboards and alerts see
+# a series before the first failure.
+ERROR_STAGES = ("seam", "lifecycle", "deadline", "span_build", "metric_record",
+                "shutdown", "export_shutdown")
+
 
 class Observer:
     """Lifecycle + builders + providers for one connector role instance."""
@@ -86,7 +91,7 @@ class Pipeline:
         self.buffer = EventBuffer(settings.buffer_size)
         self.offer = self.buffer.offer  # the serving path's only call
         self.observers: list[Observer] = []
-        self._errors: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter(dict.fromkeys(ERROR_STAGES, 0))
         self._logged: set[str] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()

@@ -47,7 +47,7 @@ def test_every_recovery_is_one_complete_trace_across_two_ranks(
         assert_recovered_chain(trace, {0, 1})
         restored += bool(root.attrs.get("kvobs.restore.job_ids"))
     assert restored >= 1, "the workload must exercise the restore path"
-    assert current_pipeline().error_counts() == {}
+    assert not any(current_pipeline().error_counts().values())
     assert observe.metric_total("kvobs.recovery.episodes", outcome="recovered") == len(recovered)
     assert observe.metric_total("kvobs.receipts.incomplete") == 0
 
@@ -176,7 +176,7 @@ def test_reset_cache_preempts_running_requests_and_loses_nothing(observe):
         h.run_until_idle(2000)
     current_pipeline().flush()
     spans = [view(s) for s in observe.spans()]
-    assert current_pipeline().error_counts() == {}
+    assert not any(current_pipeline().error_counts().values())
     # Jobs flushed by the reset still get every rank's receipt.
     jobs = [s for s in spans if s.name == "kv.job"]
     assert jobs and all(j.attrs["kvobs.outcome"] == "complete" for j in jobs)

@@ -221,3 +221,24 @@ def test_traffic_sampling_drops_request_traces_but_keeps_episodes(telemetry):
     # Ordinary stores are not in any trace, but still in the metrics.
     assert not [s for s in telemetry.spans() if s.attributes.get("kvobs.request.id") == "plain"]
     assert telemetry.metric_total("kvobs.transfers", direction="d2h") > 0
+
+
+def test_latency_histograms_resolve_milliseconds_and_carry_episode_exemplars(observe):
+    from kvobs_otel.telemetry.metrics import LATENCY_BUCKETS
+
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        start_recovery(h, "x")
+        h.run_until_idle(400)
+        current_pipeline().flush()
+        roots = {r.trace_id for r, _ in episodes(observe.spans())}
+        points = []
+        for reader in observe.readers:
+            data = reader.get_metrics_data()
+            for rm in data.resource_metrics if data else ():
+                for sm in rm.scope_metrics:
+                    points += [p for m in sm.metrics if m.name == "kvobs.recovery.latency"
+                               for p in m.data.data_points]
+    (point,) = points
+    assert tuple(point.explicit_bounds) == LATENCY_BUCKETS
+    assert sum(point.bucket_counts[:10]) == 1  # a CPU recovery takes well under 100 ms
+    assert {e.trace_id for e in point.exemplars} == roots

@@ -10,12 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import SpanContext, TraceFlags
 
+from kvobs_otel import identity
 from kvobs_otel.lifecycle import records as rec
 from kvobs_otel.telemetry.providers import SCOPE, Providers
 
 _NS = 1e-9
+# Seconds, from a 100 us copy to a minute-long recovery (the SDK's default
+# boundaries start at 5 and would put every KV transfer in the first bucket).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _in_trace(trace_id: int, span_id: int) -> Context:
+    """A context whose span is the given one: the SDK takes exemplars' trace ids from it."""
+    return trace.set_span_in_context(trace.NonRecordingSpan(SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))))
 
 
 class MetricsBuilder:
@@ -31,7 +45,8 @@ class MetricsBuilder:
             "kvobs.transfer.bytes", unit="By", description="Bytes moved by KV transfers")
         self.duration = m.create_histogram(
             "kvobs.transfer.duration", unit="s",
-            description="Transfer duration: clock=host (submit->result) or device")
+            description="Transfer duration: clock=host (submit->result) or device",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
         self.jobs = m.create_counter(
             "kvobs.jobs", unit="{job}", description="Transfer jobs by kind and receipt outcome")
         self.incomplete = m.create_counter(
@@ -40,9 +55,11 @@ class MetricsBuilder:
         self.episodes = m.create_counter(
             "kvobs.recovery.episodes", unit="{episode}", description="Recovery episodes by outcome")
         self.recovery = m.create_histogram(
-            "kvobs.recovery.latency", unit="s", description="Preemption -> first compute")
+            "kvobs.recovery.latency", unit="s", description="Preemption -> first compute",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
         self.admission_wait = m.create_histogram(
-            "kvobs.admission.wait", unit="s", description="Restore received -> re-admission")
+            "kvobs.admission.wait", unit="s", description="Restore received -> re-admission",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
         self.first_compute = m.create_counter(
             "kvobs.first_compute", unit="{event}", description="First computes after recovery")
         if open_receipts is not None:
@@ -82,18 +99,27 @@ class MetricsBuilder:
                 d = {"direction": r.direction, "rank": r.rank}
                 if r.size_bytes:
                     self.bytes.add(int(r.size_bytes), d)
-                self.duration.record((r.end_ns - r.start_ns) * _NS, {**d, "clock": "host"})
+                ctx = None
+                if r.req_id is not None:  # exemplar -> the transfer's job span
+                    tid = (identity.episode_ids(r.sched_gen, r.req_id, r.episode_epoch)[0]
+                           if r.episode_epoch else identity.request_ids(r.sched_gen, r.req_id)[0])
+                    ctx = _in_trace(tid, identity.job_span_id(r.sched_gen, r.job_id))
+                self.duration.record((r.end_ns - r.start_ns) * _NS, {**d, "clock": "host"},
+                                     context=ctx)
                 if r.device_time_s is not None:
-                    self.duration.record(float(r.device_time_s), {**d, "clock": "device"})
+                    self.duration.record(float(r.device_time_s), {**d, "clock": "device"},
+                                         context=ctx)
         elif isinstance(r, rec.JobRecord):
             self.jobs.add(1, {"kind": r.kind, "outcome": r.outcome})
             if r.outcome != rec.COMPLETE:
                 self.incomplete.add(1, {"kind": r.kind, "outcome": r.outcome})
         elif isinstance(r, rec.EpisodeRecord):
             self.episodes.add(1, {"outcome": r.outcome})
+            ctx = _in_trace(*identity.episode_ids(r.sched_gen, r.req_id, r.epoch))
             if r.outcome == rec.RECOVERED:
-                self.recovery.record((r.end_ns - r.start_ns) * _NS)
+                self.recovery.record((r.end_ns - r.start_ns) * _NS, context=ctx)
             if r.admitted_ns is not None and r.ready_ns is not None:
-                self.admission_wait.record(max(0, r.admitted_ns - r.ready_ns) * _NS)
+                self.admission_wait.record(max(0, r.admitted_ns - r.ready_ns) * _NS,
+                                           context=ctx)
         elif isinstance(r, rec.FirstComputeRecord):
             self.first_compute.add(1, {"rank": r.rank, "compute_kind": r.compute_kind})

@@ -8,6 +8,7 @@ env:
 demo:
 	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/kvobs-otel demo $(ARGS)
 test:
-	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/python -m pytest -q $(ARGS)
+	@venv=$$(bash .ci/setup-env.sh) && eval "$$(bash .ci/setup-servers.sh)" && \
+	  $$venv/bin/python -m pytest -q $(ARGS)
 lint:
 	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/ruff check kvobs_otel tests

@@ -62,7 +62,16 @@ class MetricsBuilder:
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
         self.first_compute = m.create_counter(
             "kvobs.first_compute", unit="{event}", description="First computes after recovery")
-        if open_receipts is not None:
+        if open_receipts is not None:  # the scheduler role
+            # Counters an alert takes increase() of start at 0: a series whose
+            # first sample is already 1 shows no increase to Prometheus.
+            for kind in ("load", "store"):
+                for outcome in (rec.RECEIPT_INCOMPLETE, rec.ABANDONED):
+                    self.incomplete.add(0, {"kind": kind, "outcome": outcome})
+            for outcome in (rec.RECOVERED, rec.FINISHED_BEFORE_RESUME, rec.ABORTED_BEFORE_RESUME,
+                            rec.PREEMPTED_AGAIN, rec.RECEIPT_INCOMPLETE,
+                            rec.FIRST_COMPUTE_INCOMPLETE, rec.ABANDONED):
+                self.episodes.add(0, {"outcome": outcome})
             m.create_observable_gauge(
                 "kvobs.receipts.open", unit="{job}", description="Jobs with an open receipt",
                 callbacks=[lambda _o: [Observation(open_receipts())]])

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Build (once) the two Go programs the end-to-end tests run on loopback:
+#   - Jaeger v2 (module github.com/jaegertracing/jaeger v1.76.0, program cmd/jaeger)
+#   - otelcol-kvobs, a small OpenTelemetry Collector distribution (./otelcol)
+#
+# Output: stdout gets exactly two lines,
+#   JAEGER=/abs/path/jaeger-v1.76.0
+#   OTELCOL=/abs/path/otelcol-kvobs-v0.161.0
+# Progress goes to stderr. On failure: non-zero exit and the tail of the build log.
+#
+# Everything (binaries, GOPATH, module cache, build cache, logs) lives under
+#   ${KVOBS_CACHE_DIR:-$HOME/.cache/kvobs-otel}
+# never in the repo. A second run with unchanged inputs is a no-op (stamp check).
+#
+# Env knobs:
+#   KVOBS_CACHE_DIR          cache root (default $HOME/.cache/kvobs-otel)
+#   KVOBS_OTEL_BINS_FORCE=1  rebuild even if the stamp matches
+#   GO                       go command to use (default: go on PATH)
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CACHE="${KVOBS_CACHE_DIR:-$HOME/.cache/kvobs-otel}"
+GO="${GO:-go}"
+
+JAEGER_VERSION="v1.76.0"          # keep in sync with jaeger/go.mod
+OTELCOL_RELEASE="v0.161.0"        # core v0.161.0 + v1.67.0, contrib v0.161.0 (otelcol/go.mod)
+
+BIN_DIR="$CACHE/bin"
+LOG_DIR="$CACHE/logs"
+JAEGER_BIN="$BIN_DIR/jaeger-$JAEGER_VERSION"
+OTELCOL_BIN="$BIN_DIR/otelcol-kvobs-$OTELCOL_RELEASE"
+
+log() { printf '[otel-bins] %s\n' "$*" >&2; }
+
+mkdir -p "$BIN_DIR" "$LOG_DIR" "$CACHE/go/mod" "$CACHE/go/cache"
+
+if ! command -v "$GO" >/dev/null 2>&1; then
+  log "ERROR: '$GO' not found on PATH (Go >= 1.26 is needed)"
+  exit 1
+fi
+
+export GOPATH="$CACHE/go"
+export GOMODCACHE="$CACHE/go/mod"
+export GOCACHE="$CACHE/go/cache"
+# go.mod/go.sum are committed and complete: never let the build rewrite them.
+export GOFLAGS="-mod=readonly -buildvcs=false"
+export CGO_ENABLED=0
+# The pinned modules need go >= 1.26.0 (go.mod). Never fetch a toolchain behind
+# the caller's back; a caller may still export GOTOOLCHAIN=go1.27.3 (see README).
+export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
+
+LDFLAGS_COMMON="-s -w"
+GO_VERSION="$("$GO" env GOVERSION)"
+
+# stamp = hash of every input that affects the binary
+stamp_of() { # dir, extra...
+  local dir="$1"; shift
+  {
+    printf '%s\n' "$GO_VERSION" "$@"
+    (cd "$dir" && cat go.mod go.sum && find . -maxdepth 1 -name '*.go' -print0 | sort -z | xargs -0 -r cat)
+  } | sha256sum | cut -d' ' -f1
+}
+
+# build NAME DIR OUT PKG LDFLAGS
+build_one() {
+  local name="$1" dir="$2" out="$3" pkg="$4" ldflags="$5"
+  local stamp want logf t0 t1
+  want="$(stamp_of "$dir" "$pkg" "$ldflags")"
+  stamp="$out.stamp"
+  if [[ -x "$out" && -f "$stamp" && "$(cat "$stamp")" == "$want" && "${KVOBS_OTEL_BINS_FORCE:-0}" != 1 ]]; then
+    log "$name: up to date ($out)"
+    return 0
+  fi
+  logf="$LOG_DIR/build-$name.log"
+  log "$name: building into $out (log: $logf; first build takes several minutes)"
+  t0=$(date +%s)
+  if ! (
+    cd "$dir"
+    echo "== $(date -u +%FT%TZ) $GO_VERSION: go build $pkg"
+    "$GO" build -trimpath -ldflags="$ldflags" -o "$out.tmp.$$" "$pkg"
+  ) >"$logf" 2>&1; then
+    rm -f "$out.tmp.$$"
+    log "$name: BUILD FAILED; last lines of $logf:"
+    tail -n 40 "$logf" >&2
+    return 1
+  fi
+  mv -f "$out.tmp.$$" "$out"
+  printf '%s\n' "$want" >"$stamp"
+  t1=$(date +%s)
+  log "$name: built in $((t1 - t0))s, $(du -h "$out" | cut -f1)"
+}
+
+# One build at a time per cache dir (parallel pytest workers, two CI steps...).
+exec 9>"$BIN_DIR/.build.lock"
+if command -v flock >/dev/null 2>&1; then
+  flock 9
+fi
+
+build_one "jaeger-$JAEGER_VERSION" "$HERE/jaeger" "$JAEGER_BIN" \
+  github.com/jaegertracing/jaeger/cmd/jaeger \
+  "$LDFLAGS_COMMON -X github.com/jaegertracing/jaeger/internal/version.latestVersion=$JAEGER_VERSION"
+
+build_one "otelcol-kvobs-$OTELCOL_RELEASE" "$HERE/otelcol" "$OTELCOL_BIN" \
+  . \
+  "$LDFLAGS_COMMON -X main.version=$OTELCOL_RELEASE"
+
+echo "JAEGER=$JAEGER_BIN"
+echo "OTELCOL=$OTELCOL_BIN"

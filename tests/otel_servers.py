@@ -1,0 +1,267 @@
+"""Start, wait for and stop the real telemetry servers the tests run on loopback.
+
+Jaeger v2 and the project's Collector distribution are built from Go modules by
+``.ci/otel-bins/build.sh`` (once, cached outside the repo); Prometheus is
+Debian's ``prometheus``. Every server is a child process of the test, listens
+where its config (plus the ``env`` given here) says, logs to a file, and is
+killed by ``Server.stop()`` (and, as a last resort, at interpreter exit).
+
+Configs use the Collector's ``${env:VAR:-default}`` substitution, so a test
+passes ports and endpoints in ``env``; the same YAML that deploy/ ships runs
+unchanged. ``OTEL_*`` variables of the test process are *not* inherited (Jaeger
+traces its own query API with an OTLP exporter that reads them, which would
+send Jaeger's spans into the pipeline under test); pass them in ``env`` if wanted.
+
+API::
+
+    jaeger_bin, otelcol_bin = otel_binaries()       # builds once per session
+    port = free_port()
+    wait_http(url, timeout=30.0)                    # -> body bytes of the first 2xx
+    s = start_jaeger(config_path, env, ready_url=None, args=())
+    s = start_collector(config_path, env, ready_url=None, args=())
+    s = start_prometheus(config_path, tsdb_dir, port)
+    s.stop(); s.log_text(); s.alive(); with s: ...
+    validate_collector_config(config_path, env)     # `otelcol validate`, raises on error
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_SCRIPT = ROOT / ".ci" / "otel-bins" / "build.sh"
+
+# Both programs are Collector builds; this line means every component started.
+READY_LOG_LINE = "Everything is ready. Begin running and processing data."
+
+_live: dict[int, Server] = {}
+
+
+# -- binaries ---------------------------------------------------------------------
+@functools.cache
+def otel_binaries() -> tuple[Path, Path]:
+    """(jaeger, otelcol) paths. Runs build.sh (a no-op once built) unless both
+    KVOBS_JAEGER_BIN and KVOBS_OTELCOL_BIN name existing binaries."""
+    pre = os.environ.get("KVOBS_JAEGER_BIN"), os.environ.get("KVOBS_OTELCOL_BIN")
+    if all(pre) and all(Path(p).is_file() for p in pre):
+        return Path(pre[0]), Path(pre[1])
+    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{BUILD_SCRIPT} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-6000:]}")
+    out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    jaeger, otelcol = Path(out["JAEGER"]), Path(out["OTELCOL"])
+    for p in (jaeger, otelcol):
+        if not os.access(p, os.X_OK):
+            raise RuntimeError(f"build.sh reported {p}, which is not an executable")
+    return jaeger, otelcol
+
+
+# -- small helpers ----------------------------------------------------------------
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body); HTTP error statuses are returned, not raised."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait_http(url: str, timeout: float = 30.0, *, server: Server | None = None,
+              interval: float = 0.2) -> bytes:
+    """Poll ``url`` until it answers 2xx; return the body. Raises TimeoutError
+    (with the server's log tail if given) or RuntimeError if ``server`` died."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        if server is not None and not server.alive():
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode} "
+                               f"before {url} answered:\n{server.log_tail()}")
+        try:
+            status, body = http_get(url, timeout=min(5.0, max(0.5, timeout)))
+            if 200 <= status < 300:
+                return body
+            last = f"HTTP {status}: {body[:200]!r}"
+        except OSError as e:  # refused, reset, timeout
+            last = e
+        if time.monotonic() > deadline:
+            tail = f"\n{server.log_tail()}" if server is not None else ""
+            raise TimeoutError(f"{url} not ready after {timeout}s (last: {last}){tail}")
+        time.sleep(interval)
+
+
+def child_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """os.environ without OTEL_* (see the module doc), plus ``env``."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out.update({k: str(v) for k, v in (env or {}).items()})
+    return out
+
+
+# -- processes --------------------------------------------------------------------
+class Server:
+    """A child process with its log file. ``stop()`` is idempotent."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                 log_dir: Path | None = None) -> None:
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvobs-{name}-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(self.argv, env=child_env(env), stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        _live[self.pid] = self
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        """Everything the process wrote so far (stdout and stderr); also after stop()."""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def wait_log(self, needle: str, timeout: float = 30.0) -> None:
+        """Wait until ``needle`` appears in the log (or the process dies)."""
+        deadline = time.monotonic() + timeout
+        while needle not in self.log_text():
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: {needle!r} not logged after {timeout}s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (graceful shutdown, flushes exporters), then SIGKILL. Returns the
+        exit code. Only this process (and its own process group) is signalled."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        _live.pop(self.pid, None)
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"Server({self.name!r}, pid={self.pid}, log={str(self.log_path)!r})"
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_live.values()):
+        with contextlib.suppress(Exception):  # best effort at exit
+            server.stop(timeout=3)
+
+
+def start_process(name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, *,
+                  ready_url: str | None = None, ready_log: str | None = None,
+                  timeout: float = 60.0, log_dir: Path | None = None) -> Server:
+    """Start ``argv`` and wait for ``ready_log`` in its log and/or a 2xx from
+    ``ready_url``. On failure the process is stopped and the error carries its log."""
+    server = Server(name, argv, env, log_dir)
+    try:
+        deadline = time.monotonic() + timeout
+        if ready_log:
+            server.wait_log(ready_log, timeout)
+        if ready_url:
+            wait_http(ready_url, max(1.0, deadline - time.monotonic()), server=server)
+    except BaseException:
+        server.stop(timeout=3)
+        raise
+    return server
+
+
+def _config_arg(config_path: str | os.PathLike[str]) -> str:
+    return f"--config=file:{Path(config_path).resolve()}"
+
+
+def start_jaeger(config_path: str | os.PathLike[str], env: Mapping[str, str] | None = None, *,
+                 ready_url: str | None = None, args: Sequence[str] = (),
+                 timeout: float = 60.0, log_dir: Path | None = None) -> Server:
+    """Jaeger v2 with ``config_path``. Ready when it logs that every component
+    started, and (if given) ``ready_url`` answers 2xx, e.g. the query API's
+    ``/api/services`` or healthcheckv2's ``/status``. ``args``: extra flags such as
+    ``--set=service.telemetry.metrics.level=none``."""
+    jaeger, _ = otel_binaries()
+    return start_process("jaeger", [jaeger, _config_arg(config_path), *args], env,
+                         ready_url=ready_url, ready_log=READY_LOG_LINE,
+                         timeout=timeout, log_dir=log_dir)
+
+
+def start_collector(config_path: str | os.PathLike[str], env: Mapping[str, str] | None = None,
+                    *, ready_url: str | None = None, args: Sequence[str] = (),
+                    timeout: float = 60.0, log_dir: Path | None = None) -> Server:
+    """The project's Collector (otelcol-kvobs) with ``config_path``. Ready as for
+    Jaeger; ``ready_url`` is typically the health_check extension's ``/``."""
+    _, otelcol = otel_binaries()
+    return start_process("otelcol", [otelcol, _config_arg(config_path), *args], env,
+                         ready_url=ready_url, ready_log=READY_LOG_LINE,
+                         timeout=timeout, log_dir=log_dir)
+
+
+def validate_collector_config(config_path: str | os.PathLike[str],
+                              env: Mapping[str, str] | None = None, *,
+                              binary: str = "otelcol") -> str:
+    """``<binary> validate --config=...`` (binary: "otelcol" or "jaeger"); returns
+    its output, raises AssertionError with the output if the config is refused."""
+    jaeger, otelcol = otel_binaries()
+    exe = {"otelcol": otelcol, "jaeger": jaeger}[binary]
+    proc = subprocess.run([str(exe), "validate", _config_arg(config_path)],
+                          env=child_env(env), capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"{binary} validate {config_path} failed:\n{out}")
+    return out
+
+
+def start_prometheus(config_path: str | os.PathLike[str], tsdb_dir: str | os.PathLike[str],
+                     port: int, *, args: Sequence[str] = (), timeout: float = 60.0,
+                     log_dir: Path | None = None,
+                     binary: str = "prometheus") -> Server:
+    """Debian's Prometheus on 127.0.0.1:``port`` with ``config_path`` (rule files
+    resolve relative to it), storage in ``tsdb_dir``; ready on ``/-/ready``."""
+    Path(tsdb_dir).mkdir(parents=True, exist_ok=True)
+    argv = [binary, f"--config.file={Path(config_path).resolve()}",
+            f"--storage.tsdb.path={Path(tsdb_dir).resolve()}",
+            f"--web.listen-address=127.0.0.1:{port}", *args]
+    return start_process("prometheus", argv, None,
+                         ready_url=f"http://127.0.0.1:{port}/-/ready",
+                         timeout=timeout, log_dir=log_dir)

@@ -1,0 +1,268 @@
+"""End to end with the real programs and the configs deploy/ ships.
+
+Jaeger v2 and the Collector are built from Go modules (.ci/otel-bins), the
+Prometheus server is Debian's; all listen on 127.0.0.1 with only ports and
+storage parametrised. Tempo cannot run here (its code is AGPL and not built):
+its OTLP intake is played by an in-process OTLP receiver, labelled as such.
+The real-vLLM harness runs two rank processes exporting OTLP to the Collector.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.parse
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from otel_servers import free_port, start_collector, start_jaeger, start_prometheus
+
+from kvobs_otel.harness.engine import Harness, HarnessConfig
+from kvobs_otel.harness.workload import pressure_workload
+
+from otlp_receiver import GrpcReceiver
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def poll(fn, timeout: float, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+class Stack:
+    def __init__(self, tmp: Path) -> None:
+        self.ports = {k: free_port() for k in (
+            "otlp_grpc", "otlp_http", "prom_exporter", "telemetry", "health",
+            "j_grpc", "j_http", "j_query", "j_query_grpc", "j_health", "j_metrics", "prometheus")}
+        p = self.ports
+        self.tempo = GrpcReceiver()  # stand-in for Tempo's OTLP intake
+        self.tempo.__enter__()
+        self.jaeger = start_jaeger(DEPLOY / "jaeger.yaml", {
+            "JAEGER_OTLP_GRPC_ENDPOINT": f"127.0.0.1:{p['j_grpc']}",
+            "JAEGER_OTLP_HTTP_ENDPOINT": f"127.0.0.1:{p['j_http']}",
+            "JAEGER_QUERY_HTTP_ENDPOINT": f"127.0.0.1:{p['j_query']}",
+            "JAEGER_QUERY_GRPC_ENDPOINT": f"127.0.0.1:{p['j_query_grpc']}",
+            "JAEGER_HEALTH_ENDPOINT": f"127.0.0.1:{p['j_health']}",
+            "JAEGER_METRICS_HOST": "127.0.0.1",
+            "JAEGER_METRICS_PORT": str(p["j_metrics"]),
+        }, ready_url=f"http://127.0.0.1:{p['j_query']}/api/services")
+        self.collector = start_collector(DEPLOY / "otel-collector.yaml", {
+            "KVOBS_OTLP_GRPC_ENDPOINT": f"127.0.0.1:{p['otlp_grpc']}",
+            "KVOBS_OTLP_HTTP_ENDPOINT": f"127.0.0.1:{p['otlp_http']}",
+            "KVOBS_JAEGER_OTLP_ENDPOINT": f"127.0.0.1:{p['j_grpc']}",
+            "KVOBS_TEMPO_OTLP_ENDPOINT": f"127.0.0.1:{self.tempo.port}",
+            "KVOBS_PROMETHEUS_EXPORTER_ENDPOINT": f"127.0.0.1:{p['prom_exporter']}",
+            "KVOBS_COLLECTOR_TELEMETRY_HOST": "127.0.0.1",
+            "KVOBS_COLLECTOR_TELEMETRY_PORT": str(p["telemetry"]),
+            "KVOBS_COLLECTOR_HEALTH_ENDPOINT": f"127.0.0.1:{p['health']}",
+            # Only timing differs from the shipped default (30 s): keep the test short.
+            "KVOBS_TAIL_DECISION_WAIT": "5s",
+        }, ready_url=f"http://127.0.0.1:{p['health']}/")
+        # The shipped prometheus.yml and alerts.yml, with the Collector's
+        # compose address replaced by this test's loopback ports.
+        text = (DEPLOY / "prometheus.yml").read_text()
+        text = text.replace("otel-collector:8889", f"127.0.0.1:{p['prom_exporter']}")
+        text = text.replace("otel-collector:8888", f"127.0.0.1:{p['telemetry']}")
+        (tmp / "prometheus.yml").write_text(text)
+        (tmp / "alerts.yml").write_text((DEPLOY / "alerts.yml").read_text())
+        self.prometheus = start_prometheus(tmp / "prometheus.yml", tmp / "tsdb", p["prometheus"])
+        self.jaeger_url = f"http://127.0.0.1:{p['j_query']}"
+        self.prom_url = f"http://127.0.0.1:{p['prometheus']}"
+
+    def close(self) -> None:
+        for server in (self.prometheus, self.collector, self.jaeger):
+            server.stop()
+        self.tempo.__exit__()
+
+    # -- queries ----------------------------------------------------------------
+    def traces(self, **params: str) -> list[dict]:
+        q = urllib.parse.urlencode({"service": "kvobs-otel", "limit": "1000",
+                                    "lookback": "1h", **params})
+        return get_json(f"{self.jaeger_url}/api/traces?{q}").get("data") or []
+
+    def promql(self, expr: str) -> list[dict]:
+        q = urllib.parse.urlencode({"query": expr})
+        return get_json(f"{self.prom_url}/api/v1/query?{q}")["data"]["result"]
+
+    def firing(self, alert: str) -> list[dict]:
+        return [a for a in get_json(f"{self.prom_url}/api/v1/alerts")["data"]["alerts"]
+                if a["labels"]["alertname"] == alert and a["state"] == "firing"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("stack"))
+    yield s
+    s.close()
+
+
+def export_env(stack: Stack, protocol: str) -> dict[str, str]:
+    port = stack.ports["otlp_grpc" if protocol == "grpc" else "otlp_http"]
+    return {
+        "KVOBS_OTEL_ENABLED": "1",
+        "KVOBS_OTEL_RECEIPT_DEADLINE_S": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+    }
+
+
+def run_harness(monkeypatch, env: dict[str, str], start_method: str, body) -> Harness:
+    import kvobs_otel
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert kvobs_otel.instrument()
+    try:
+        cfg = HarnessConfig(num_ranks=2, rank_mode="process", start_method=start_method,
+                            extra_env=env, **body.get("config", {}))
+        with Harness(cfg) as h:
+            body["run"](h)
+    finally:
+        kvobs_otel.uninstrument()
+    return h
+
+
+def tag(span_or_process: dict, key: str):
+    for t in span_or_process.get("tags", []):
+        if t["key"] == key:
+            return t["value"]
+    return None
+
+
+def ranks_of(trace: dict, operation: str) -> set[int]:
+    """Ranks (from the process resource) of the spans of one operation."""
+    return {tag(trace["processes"][s["processID"]], "kvobs.rank") for s in trace["spans"]
+            if s["operationName"] == operation}
+
+
+def test_each_recovery_episode_is_one_jaeger_trace_with_every_rank(stack, monkeypatch):
+    def run(h: Harness) -> None:
+        pressure_workload(h)
+        h.run_until_idle(3000)
+
+    h = run_harness(monkeypatch, export_env(stack, "grpc"), "spawn", {"run": run})
+    counts = Counter(req for _step, req in h.preemptions)
+    expected = {(req, n) for req, count in counts.items() for n in range(1, count + 1)}
+    assert expected
+
+    def episodes() -> dict[tuple[str, int], dict]:
+        out = {}
+        for trace in stack.traces(operation="kv.recovery"):
+            roots = [s for s in trace["spans"] if s["operationName"] == "kv.recovery"]
+            for root in roots:
+                out[(tag(root, "kvobs.request.id"), tag(root, "kvobs.recovery.epoch"))] = trace
+        return out if set(out) >= expected else {}
+
+    found = poll(episodes, timeout=60)
+    assert set(found) >= expected, f"Jaeger has {sorted(found)}; expected {sorted(expected)}"
+    for (req_id, epoch), trace in found.items():
+        spans, processes = trace["spans"], trace["processes"]
+        assert len({s["traceID"] for s in spans}) == 1
+        (root,) = [s for s in spans if s["operationName"] == "kv.recovery"]
+        # A root: no parent (its links to the request trace show as FOLLOWS_FROM).
+        assert not [r for r in root["references"] if r["refType"] == "CHILD_OF"]
+        assert tag(root, "kvobs.outcome") == "recovered"
+        assert ranks_of(trace, "kv.first_compute") == {0, 1}, (req_id, epoch)
+        if tag(root, "kvobs.restore.job_ids"):
+            assert ranks_of(trace, "kv.transfer") == {0, 1}
+        roles = {tag(p, "kvobs.role") for p in processes.values()}
+        assert roles == {"scheduler", "worker"}
+        # Findable by the request-id attribute.
+        by_request = stack.traces(tags=json.dumps({"kvobs.request.id": req_id}))
+        assert trace["traceID"] in {t["traceID"] for t in by_request}
+    # The same sampled traces reached the second trace store's OTLP intake.
+    tempo_roots = {(s.attributes["kvobs.request.id"], s.attributes["kvobs.recovery.epoch"])
+                   for s in stack.tempo.store.spans if s.name == "kv.recovery"}
+    assert tempo_roots >= expected
+
+    # Metrics arrived in Prometheus through the Collector.
+    for metric in ("kvobs_transfers_total", "kvobs_transfer_bytes_total",
+                   "kvobs_recovery_episodes_total", "kvobs_recovery_latency_seconds_bucket",
+                   "traces_span_metrics_calls_total"):
+        assert poll(lambda m=metric: stack.promql(m), timeout=40), metric
+    ranks = {r["metric"].get("rank") for r in stack.promql("kvobs_transfers_total")}
+    assert ranks >= {"0", "1"}
+
+
+def test_withheld_rank_fires_the_incomplete_receipt_alert(stack, monkeypatch):
+    from test_vllm_episodes import start_recovery
+
+    def run(h: Harness) -> None:
+        start_recovery(h, "withheld")
+        for _ in range(10):
+            h.step()
+        time.sleep(2.5)  # past the 1 s receipt deadline; the drain thread ends the job
+
+    run_harness(monkeypatch, export_env(stack, "http/protobuf"), "fork",
+                {"run": run, "config": {"stall": {"rank": 1, "kind": "load"}}})
+    alerts = poll(lambda: stack.firing("KvobsReceiptIncomplete"), timeout=90, interval=2)
+    assert alerts and alerts[0]["labels"]["kind"] == "load"
+
+    def error_job():
+        for trace in stack.traces(tags=json.dumps({"kvobs.request.id": "withheld"})):
+            for s in trace["spans"]:
+                if s["operationName"] == "kv.job" and tag(s, "kvobs.job.kind") == "load":
+                    return s
+        return None
+
+    job = poll(error_job, timeout=60)
+    assert job is not None, "the incomplete job's span never reached Jaeger"
+    assert tag(job, "kvobs.outcome") == "receipt_incomplete"
+    assert tag(job, "error.type") == "receipt_incomplete"
+    # Jaeger's v1 JSON renders array attributes as JSON text.
+    assert json.loads(tag(job, "kvobs.receipt.missing_ranks")) == [1]
+    # Jaeger shows OTLP's ERROR status as error=true.
+    assert tag(job, "error") in (True, "true"), job["tags"]
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    out = []
+    for path in sorted((ROOT / "dashboards").glob("*.json")):
+        dash = json.loads(path.read_text())
+        panels = list(dash.get("panels", []))
+        while panels:
+            panel = panels.pop()
+            panels.extend(panel.get("panels", []))
+            for target in panel.get("targets", []):
+                if target.get("expr"):
+                    out.append((f"{path.name}:{panel.get('title')}", target["expr"]))
+    return out
+
+
+def test_every_dashboard_query_returns_data(stack):
+    exprs = dashboard_exprs()
+    assert exprs
+    empty = []
+    for where, expr in exprs:
+        q = re.sub(r"\$__(rate_interval|interval|range)", "10m", expr)
+        if not poll(lambda q=q: stack.promql(q), timeout=30, interval=2):
+            empty.append(f"{where}: {expr}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+    # A fallback (`or ... * 0`) must not hide a misspelt metric: every name a
+    # panel uses exists, except the Collector's failure counter, which it
+    # creates only on the first failure.
+    names = {r["metric"]["__name__"] for r in stack.promql(
+        'count by (__name__) ({__name__=~"kvobs_.+|traces_.+|otelcol_.+|up"})')}
+    def metric_names(expr: str) -> set[str]:
+        # Drop label lists (`by (...)`, `{...}`) so only metric names remain.
+        bare = re.sub(r"\{[^}]*\}|\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)
+        return set(re.findall(r"\b(kvobs_\w+|traces_\w+|otelcol_\w+)", bare))
+
+    used = set().union(*(metric_names(e) for _w, e in exprs))
+    assert used - names <= {"otelcol_exporter_send_failed_spans"}, used - names

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import os
 import signal
 import socket
@@ -85,6 +86,22 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def poll(fn, timeout: float = 30.0, interval: float = 0.3):
+    """Call ``fn`` until it returns something truthy or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def get_json(url: str) -> dict:
+    status, body = http_get(url, timeout=10)
+    assert status == 200, (url, status, body[:300])
+    return json.loads(body)
 
 
 def wait_http(url: str, timeout: float = 30.0, *, server: Server | None = None,

@@ -18,29 +18,22 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from otel_servers import free_port, start_collector, start_jaeger, start_prometheus
 
 from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.harness.workload import pressure_workload
 
+from otel_servers import (
+    free_port,
+    get_json,
+    poll,
+    start_collector,
+    start_jaeger,
+    start_prometheus,
+)
 from otlp_receiver import GrpcReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def poll(fn, timeout: float, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 class Stack:

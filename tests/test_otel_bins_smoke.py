@@ -26,18 +26,20 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode
+
 from otel_servers import (
     BUILD_SCRIPT,
     free_port,
+    get_json,
     http_get,
     otel_binaries,
+    poll,
     start_collector,
     start_jaeger,
     start_prometheus,
     validate_collector_config,
     wait_http,
 )
-
 from otlp_receiver import HttpReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,19 +177,6 @@ service:
 """
 
 
-def poll(fn, timeout: float = 30.0, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
-
-
-def get_json(url: str) -> dict:
-    status, body = http_get(url, timeout=10)
-    assert status == 200, (url, status, body[:300])
-    return json.loads(body)
 
 
 def send_trace(exporter, service: str, root: str, *, keep: bool = False,

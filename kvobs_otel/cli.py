@@ -40,8 +40,42 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--out", default="kvobs-demo.otlp.jsonl",
                    help="OTLP JSON output file (default ./kvobs-demo.otlp.jsonl)")
     d.add_argument("--otlp-endpoint", help="also export over OTLP to this endpoint")
+    d.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="stop adding engine steps after this many seconds")
+    d.add_argument("--withhold-rank", type=int, default=None, metavar="RANK",
+                   help="fault injection: this rank never reports its restore loads, so "
+                   "receipts stay incomplete (to see the ERROR spans and the alert)")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    c = sub.add_parser(
+        "check", help="report recovery episodes that are not complete chains",
+        description="Rebuild every recovery episode from SOURCE (an OTLP JSON file, or a "
+        "Jaeger URL such as http://localhost:16686 or a full /api/traces query) and report "
+        "the incomplete ones. Exit status: 0 all complete, 1 some incomplete, 2 unusable input.")
+    c.add_argument("source", metavar="SOURCE")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.add_argument("--all", action="store_true", help="list complete episodes too")
+
+    r = sub.add_parser(
+        "report", help="write a self-contained HTML report of recorded episodes",
+        description="One HTML page: a timeline of each recovery episode (a lane per rank) "
+        "and plots of recovery latency and transfer throughput.")
+    r.add_argument("source", metavar="SOURCE", help="OTLP JSON file or Jaeger URL")
+    r.add_argument("-o", "--output", default="kvobs-report.html",
+                   help="output file (default ./kvobs-report.html)")
+
+    dr = sub.add_parser(
+        "doctor", help="check vLLM, the instrumentation and the exporter in this environment",
+        description="Checks the vLLM version, whether instrumentation is active, the exporter "
+        "settings in effect, and whether the endpoint accepts a test span. Exit status 1 "
+        "when a check fails.")
+    dr.add_argument("--no-send", action="store_true", help="do not send a test span")
     return p
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"kvobs-otel {command}: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,18 +85,58 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "demo":
-        from kvobs_otel.demo import DemoOptions, format_summary, run_demo
+        return _demo(args)
+    if args.command in ("check", "report"):
+        from kvobs_otel.otlp_file import OtlpFileError
+        from kvobs_otel.sources import load_spans
 
         try:
-            summary = run_demo(DemoOptions(
-                ranks=args.ranks, requests=args.requests, seed=args.seed,
-                max_steps=args.max_steps, out=args.out, otlp_endpoint=args.otlp_endpoint))
-        except OSError as e:
-            print(f"kvobs-otel demo: {e}", file=sys.stderr)
-            return 2
-        print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-        return 1 if summary["incomplete_receipts"] else 0
+            spans = load_spans(args.source)
+        except OtlpFileError as e:
+            return _fail(args.command, str(e))
+        return _check(args, spans) if args.command == "check" else _report(args, spans)
+    if args.command == "doctor":
+        from kvobs_otel.doctor import FAIL, format_findings, run_doctor
+
+        findings = run_doctor(send=not args.no_send)
+        print(format_findings(findings))
+        return 1 if any(f.status == FAIL for f in findings) else 0
     return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvobs_otel.demo import DemoOptions, format_summary, run_demo
+
+    if args.withhold_rank is not None and not 0 <= args.withhold_rank < args.ranks:
+        return _fail("demo", f"--withhold-rank must be between 0 and {args.ranks - 1}")
+    try:
+        summary = run_demo(DemoOptions(
+            ranks=args.ranks, requests=args.requests, seed=args.seed,
+            max_steps=args.max_steps, out=args.out, otlp_endpoint=args.otlp_endpoint,
+            duration_s=args.duration, withhold_rank=args.withhold_rank))
+    except OSError as e:
+        return _fail("demo", str(e))
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 1 if summary["incomplete_receipts"] else 0
+
+
+def _check(args: argparse.Namespace, spans: list) -> int:
+    from kvobs_otel.check import check_spans, format_table, to_json
+
+    episodes, summary = check_spans(spans)
+    print(to_json(summary) if args.json else format_table(episodes, show_all=args.all))
+    return 1 if summary["incomplete"] else 0
+
+
+def _report(args: argparse.Namespace, spans: list) -> int:
+    from kvobs_otel.report import write_report
+
+    try:
+        write_report(spans, args.output)
+    except OSError as e:
+        return _fail("report", f"{args.output}: {e.strerror}")
+    print(f"kvobs-otel report: wrote {args.output}")
+    return 0
 
 
 if __name__ == "__main__":

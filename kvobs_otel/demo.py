@@ -24,6 +24,8 @@ class DemoOptions:
     out: str = "kvobs-demo.otlp.jsonl"
     otlp_endpoint: str | None = None
     start_method: str = "spawn"
+    duration_s: float | None = None
+    withhold_rank: int | None = None
 
 
 def _export_env(opts: DemoOptions) -> dict[str, str]:
@@ -72,6 +74,11 @@ class Progress:
 
 def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
     env = _export_env(opts)
+    stall = (None if opts.withhold_rank is None
+             else {"rank": opts.withhold_rank, "kind": "load"})
+    if stall:
+        # A withheld receipt must outlive its deadline before the run ends.
+        env.setdefault("KVOBS_OTEL_RECEIPT_DEADLINE_S", "1")
     with open(env["KVOBS_OTEL_TRACES_FILE"], "w", encoding="utf-8"):
         pass  # one run, one file
     os.environ.update(env)
@@ -86,17 +93,28 @@ def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
     stream.write(f"kvobs-otel demo: vLLM scheduler + {opts.ranks} rank processes, "
                  f"{opts.requests} requests, seed {opts.seed}\n")
     cfg = HarnessConfig(num_ranks=opts.ranks, rank_mode="process", seed=opts.seed,
-                        extra_env=env, start_method=opts.start_method)
+                        extra_env=env, start_method=opts.start_method, stall=stall)
     dropped: dict[str, int] = {}
     with Harness(cfg) as h:
         pressure_workload(h, num_requests=opts.requests)
         bar = Progress(opts.requests, stream)
-        step = 0
+        step = idle = 0
+        until = None if opts.duration_s is None else time.monotonic() + opts.duration_s
         while h.has_work() and step < opts.max_steps:
-            h.step()
+            if until is not None and time.monotonic() > until:
+                stream.write(f"\nstopping after {opts.duration_s:g} s\n")
+                break
+            idle = 0 if h.step().executed else idle + 1
             step += 1
             bar.update(step, len(h.finished), len(h.preemptions))
+            if idle >= 50:
+                # Nothing computed for 50 steps: requests wait on receipts that
+                # never come (a withheld rank). End the run rather than spin.
+                stream.write("\nno progress for 50 steps (waiting on incomplete receipts)\n")
+                break
         bar.close()
+        if stall:
+            time.sleep(1.5)  # let the receipt deadline pass while ranks still run
         pipeline = current_pipeline()
         if pipeline is not None:
             dropped = pipeline.drop_counts()
@@ -123,7 +141,7 @@ def summarize(spans: list[FileSpan]) -> dict:
                  if s.attributes.get("kvobs.outcome") == "recovered"]
     transfers: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
     for s in spans:
-        if s.name == "kv.transfer":
+        if s.name == "kv.transfer" and s.attributes.get("kvobs.outcome") == "ok":
             key = (s.attributes.get("kvobs.direction", "?"), s.attributes.get("kvobs.rank", -1))
             transfers[key][0] += 1
             transfers[key][1] += int(s.attributes.get("kvobs.bytes") or 0)
@@ -150,7 +168,7 @@ def format_summary(s: dict) -> str:
     if s["recovery_ms_p50"] is not None:
         lines.append(f"  recovery latency p50 {s['recovery_ms_p50']:.2f} ms, "
                      f"p99 {s['recovery_ms_p99']:.2f} ms")
-    lines.append("Transfers:")
+    lines.append("Completed transfers:")
     for key, v in s["transfers"].items():
         lines.append(f"  {key}: {v['count']} transfers, {v['bytes']} bytes")
     lines.append(f"Incomplete receipts: {s['incomplete_receipts']}")

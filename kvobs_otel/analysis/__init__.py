@@ -1,0 +1,1 @@
+"""Reading recorded spans back: episode reconstruction and checks."""

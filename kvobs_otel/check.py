@@ -1,0 +1,47 @@
+"""``kvobs-otel check SOURCE``: is every recorded recovery a complete chain?"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvobs_otel.analysis.episodes import Episode, rebuild
+from kvobs_otel.otlp_file import FileSpan
+
+
+def check_spans(spans: list[FileSpan]) -> tuple[list[Episode], dict[str, Any]]:
+    episodes = rebuild(spans)
+    incomplete = [e for e in episodes if not e.complete]
+    summary = {
+        "spans": len(spans),
+        "episodes": len(episodes),
+        "complete": len(episodes) - len(incomplete),
+        "incomplete": len(incomplete),
+        "incomplete_episodes": [{
+            "request_id": e.request_id, "epoch": e.epoch, "trace_id": e.trace_id,
+            "outcome": e.outcome, "ranks": e.expected_ranks, "problems": e.problems,
+        } for e in incomplete],
+    }
+    return episodes, summary
+
+
+def format_table(episodes: list[Episode], show_all: bool = False) -> str:
+    rows = [e for e in episodes if show_all or not e.complete]
+    lines = []
+    if rows:
+        header = ("REQUEST", "EPOCH", "OUTCOME", "RANKS", "LATENCY_MS", "PROBLEMS")
+        table = [header] + [(e.request_id, str(e.epoch), e.outcome, str(e.expected_ranks),
+                             f"{e.latency_ms:.1f}", "; ".join(e.problems) or "-")
+                            for e in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+        for r in table:
+            cells = (c.ljust(w) for c, w in zip(r, widths, strict=False))
+            lines.append("  ".join(cells) + "  " + r[-1])
+    done = sum(e.complete for e in episodes)
+    lines.append(f"{len(episodes)} recovery episodes: {done} complete, "
+                 f"{len(episodes) - done} incomplete")
+    return "\n".join(lines)
+
+
+def to_json(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, indent=2)

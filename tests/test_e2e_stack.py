@@ -179,6 +179,13 @@ def test_each_recovery_episode_is_one_jaeger_trace_with_every_rank(stack, monkey
         # Findable by the request-id attribute.
         by_request = stack.traces(tags=json.dumps({"kvobs.request.id": req_id}))
         assert trace["traceID"] in {t["traceID"] for t in by_request}
+    # `kvobs-otel check` reads the same episodes back from Jaeger: all complete.
+    from kvobs_otel.check import check_spans
+    from kvobs_otel.sources import load_spans
+
+    checked_eps, summary = check_spans(load_spans(stack.jaeger_url))
+    assert {(e.request_id, e.epoch) for e in checked_eps} >= expected
+    assert summary["incomplete"] == 0, summary["incomplete_episodes"]
     # The same sampled traces reached the second trace store's OTLP intake.
     tempo_roots = {(s.attributes["kvobs.request.id"], s.attributes["kvobs.recovery.epoch"])
                    for s in stack.tempo.store.spans if s.name == "kv.recovery"}
@@ -222,6 +229,13 @@ def test_withheld_rank_fires_the_incomplete_receipt_alert(stack, monkeypatch):
     assert json.loads(tag(job, "kvobs.receipt.missing_ranks")) == [1]
     # Jaeger shows OTLP's ERROR status as error=true.
     assert tag(job, "error") in (True, "true"), job["tags"]
+    # ... and `kvobs-otel check` on Jaeger names the episode and the missing rank.
+    from kvobs_otel.check import check_spans
+    from kvobs_otel.sources import load_spans
+
+    _eps, summary = check_spans(load_spans(stack.jaeger_url))
+    (bad,) = [e for e in summary["incomplete_episodes"] if e["request_id"] == "withheld"]
+    assert any("missing ranks [1]" in p for p in bad["problems"]), bad
 
 
 def dashboard_exprs() -> list[tuple[str, str]]:

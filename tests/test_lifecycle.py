@@ -144,3 +144,20 @@ def test_worker_flushed_store_of_preempted_request_joins_episode():
     w.handle((w, ev.W_RESULT, 7, 6, True, 10, None))
     (t,) = sink.of(rec.TransferRecord)
     assert t.episode_epoch == 1 and t.direction == "d2h"
+
+
+def test_check_accepts_episodes_that_ended_before_resume():
+    from kvobs_otel.analysis.episodes import rebuild
+    from kvobs_otel.otlp_file import FileSpan
+
+    def root(trace: str, req: str, outcome: str) -> FileSpan:
+        return FileSpan("kv.recovery", trace, "01", "", 0, 10, {
+            "kvobs.request.id": req, "kvobs.recovery.epoch": 1, "kvobs.outcome": outcome,
+            "kvobs.receipt.expected_ranks": 2, "kvobs.scheduler.generation": "g"}, {}, False)
+
+    eps = {e.request_id: e for e in rebuild([
+        root("a", "fin", "finished_before_resume"), root("b", "ab", "aborted_before_resume"),
+        root("c", "ok", "recovered"), root("d", "lost", "receipt_incomplete")])}
+    assert eps["fin"].complete and eps["ab"].complete
+    assert eps["ok"].problems == ["admission missing", "first compute missing on ranks [0, 1]"]
+    assert eps["lost"].problems == ["outcome receipt_incomplete"]

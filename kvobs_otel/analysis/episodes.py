@@ -1,9 +1,10 @@
 """Rebuild recovery episodes from exported spans and judge each chain.
 
 Input: flat spans (``FileSpan``) from an OTLP JSON file or a Jaeger query.
-An episode is complete when it recovered and its trace holds the whole
-chain: every restore job's receipt from every rank, a restore transfer from
-every rank, exactly one admission, and exactly one first compute per rank.
+An episode is complete when it ended properly (see ``ENDED_OK``) and its
+trace holds the whole chain: every restore job's receipt from every rank, a
+restore transfer from every rank and, when it recovered, exactly one
+admission and exactly one first compute per rank.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from kvobs_otel.otlp_file import FileSpan
+
+# Episodes that ended properly. Only "recovered" has an admission and first
+# computes; the others ended before the request came back, which is no fault.
+ENDED_OK = {"recovered", "finished_before_resume", "aborted_before_resume", "preempted_again"}
 
 
 @dataclass
@@ -52,7 +57,7 @@ def _rank(span: FileSpan) -> int | None:
 def _check(ep: Episode) -> None:
     p = ep.problems
     ranks = set(range(ep.expected_ranks))
-    if ep.outcome != "recovered":
+    if ep.outcome not in ENDED_OK:
         p.append(f"outcome {ep.outcome}")
     jobs = {int(s.attributes.get("kvobs.job.id", -1)): s for s in ep.named("kv.job")}
     for job_id in ep.restore_jobs:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -73,3 +76,20 @@ def observe(telemetry: Telemetry) -> Iterator[Telemetry]:
                                           traffic_sample_ratio=1.0, drain_interval_s=0.02))
     yield telemetry
     kvobs_otel.uninstrument()
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
+            timeout: float = 600) -> subprocess.CompletedProcess:
+    """``kvobs-otel ARGS`` in a clean environment (no OTEL_/KVOBS_ settings)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVOBS_"))}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kvobs_otel.cli", *args], cwd=cwd,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One real ``kvobs-otel demo`` (vLLM scheduler + 2 rank processes on CPU),
+    shared by the tests of every command that reads its output."""
+    d = tmp_path_factory.mktemp("demo")
+    return run_cli("demo", "--requests", "8", "--json", cwd=d), d / "kvobs-demo.otlp.jsonl"

@@ -4,31 +4,19 @@ output, exit codes and one-line errors."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_cli as kvobs
 from otlp_receiver import HttpReceiver
 
-CLI = [sys.executable, "-m", "kvobs_otel.cli"]
 
-
-def kvobs(*args: str, cwd: Path | None = None, env: dict | None = None,
-          timeout: float = 600) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVOBS_"))}
-    full_env.update(env or {})
-    return subprocess.run([*CLI, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    d = tmp_path_factory.mktemp("demo")
-    return kvobs("demo", "--requests", "8", "--json", cwd=d), d / "kvobs-demo.otlp.jsonl"
+@pytest.fixture
+def demo(demo_run):
+    return demo_run
 
 
 @pytest.fixture(scope="module")

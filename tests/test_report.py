@@ -7,7 +7,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
@@ -18,8 +17,6 @@ from kvobs_otel.analysis.episodes import rebuild
 from kvobs_otel.otlp_file import FileSpan, read_spans
 from kvobs_otel.report import render_report, write_report
 
-BIN = Path(sys.executable).parent
-KVOBS = BIN / "kvobs-otel"
 CHROMIUM = "/usr/bin/chromium"
 WINDOW = (1400, 2000)
 HOSTILE = "<script>x</script>"
@@ -32,13 +29,9 @@ VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "met
 # -- fixtures ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real ``kvobs-otel demo --requests 8`` run (vLLM scheduler + 2 ranks on CPU)."""
-    tmp = tmp_path_factory.mktemp("report-demo")
-    out = tmp / "demo.otlp.jsonl"
-    proc = subprocess.run([str(KVOBS), "demo", "--requests", "8", "-o", str(out)], cwd=tmp,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+def demo_output(demo_run) -> Path:
+    """The output of a real ``kvobs-otel demo --requests 8`` run (conftest)."""
+    proc, out = demo_run
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert out.exists() and out.stat().st_size > 0
     return out

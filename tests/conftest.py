@@ -19,6 +19,9 @@ import kvobs_otel
 from kvobs_otel.config import Settings
 from kvobs_otel.telemetry.providers import set_export_overrides
 
+# Stand-ins for hosts that cannot run here (see tests/standins/).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "standins"))
+
 # Keep vLLM quiet and single-threaded enough for 2 cores.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -54,6 +57,14 @@ class Telemetry:
                    if all(a.get(k) == want for k, want in match.items()))
 
 
+class _SharedExporterProcessor(SimpleSpanProcessor):
+    """Every observer's provider feeds the one in-memory exporter of a test;
+    a provider shutting down (connector shutdown) must not close it."""
+
+    def shutdown(self) -> None:
+        pass
+
+
 @pytest.fixture
 def telemetry() -> Iterator[Telemetry]:
     t = Telemetry()
@@ -63,7 +74,7 @@ def telemetry() -> Iterator[Telemetry]:
         t.readers.append(r)
         return r
 
-    set_export_overrides(span_processor=lambda: SimpleSpanProcessor(t.exporter),
+    set_export_overrides(span_processor=lambda: _SharedExporterProcessor(t.exporter),
                          metric_reader=reader)
     yield t
     set_export_overrides(None, None)

@@ -106,12 +106,19 @@ def _init_worker(orig):
     def _init_worker(self, *args, **kwargs):
         orig(self, *args, **kwargs)
         s = self.__dict__.get(_ATTR)
-        if s is not None and getattr(self, "worker", None) is not None:
-            try:
-                s.wrap_offloading_worker(self.worker)
-            except Exception:
-                s.pipeline.count_error("seam")
+        if s is not None:
+            s.attach_worker(self)
     return _init_worker
+
+
+def _register_kv_caches(orig):
+    def register_kv_caches(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        s = self.__dict__.get(_ATTR)
+        if s is not None and getattr(self, "connector_worker", None) is not None:
+            s.attach_worker(self.connector_worker)
+        return result
+    return register_kv_caches
 
 
 def _attach(connector: Any) -> None:
@@ -161,6 +168,7 @@ def patch_classes(settings: Settings) -> None:
     _wrap(C, "start_load_kv", _start_load)
     _wrap(C, "wait_for_save", _after("after_save"))
     _wrap(C, "build_connector_worker_meta", _after("worker_meta", pass_result=True))
+    _wrap(C, "register_kv_caches", _register_kv_caches)
     _wrap(OffloadingConnectorWorker, "_init_worker", _init_worker)
     # both
     _wrap(C, "shutdown", _shutdown)

@@ -282,6 +282,17 @@ class WorkerSeams:
             return meta
 
     # -- the OffloadingWorker built by _init_worker ------------------------------------
+    def attach_worker(self, connector_worker: Any) -> None:
+        """After register_kv_caches: reach the connector's worker even when a
+        subclass swapped it in after construction (vllm-ascend does)."""
+        try:
+            connector_worker.__dict__["_kvobs"] = self
+            worker = getattr(connector_worker, "worker", None)
+            if worker is not None and not any(w is worker for w, _ in self._wrapped):
+                self.wrap_offloading_worker(worker)
+        except Exception:
+            self.pipeline.count_error("seam")
+
     def wrap_offloading_worker(self, worker: Any) -> None:
         """Observe the real submit/result calls on this worker instance."""
         offer, consumer, count = self.offer, self.consumer, self.pipeline.count_error

@@ -1,0 +1,2 @@
+"""Stand-ins for hosts that cannot run here, each faithful to the public
+shape it imitates and labelled as such."""

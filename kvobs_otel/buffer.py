@@ -39,6 +39,3 @@ class EventBuffer:
 
     def __len__(self) -> int:
         return len(self._q)
-
-    def clear(self) -> None:
-        self._q.clear()

@@ -5,13 +5,13 @@ exported. No GPU, no Docker, no network needed."""
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TextIO
 
+from kvobs_otel.analysis.stats import percentile
 from kvobs_otel.otlp_file import FileSpan, read_spans
 
 
@@ -127,14 +127,6 @@ def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
     return summary
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
 def summarize(spans: list[FileSpan]) -> dict:
     roots = [s for s in spans if s.name == "kv.recovery"]
     latencies = [(s.end_ns - s.start_ns) / 1e6 for s in roots
@@ -151,8 +143,8 @@ def summarize(spans: list[FileSpan]) -> dict:
         "episodes": dict(Counter(s.attributes.get("kvobs.outcome") for s in roots)),
         "max_epoch": max((s.attributes.get("kvobs.recovery.epoch", 0) for s in roots),
                          default=0),
-        "recovery_ms_p50": _pct(latencies, 50),
-        "recovery_ms_p99": _pct(latencies, 99),
+        "recovery_ms_p50": percentile(latencies, 50),
+        "recovery_ms_p99": percentile(latencies, 99),
         "transfers": {f"{d} rank {r}": {"count": c, "bytes": b}
                       for (d, r), (c, b) in sorted(transfers.items())},
         "incomplete_receipts": len(incomplete),

@@ -49,6 +49,12 @@ def request_ids(sched_gen: str, req_id: str) -> tuple[int, int]:
     return _nonzero(int.from_bytes(d[:16], "big")), _nonzero(int.from_bytes(d[16:24], "big"))
 
 
+def trace_id(sched_gen: str, req_id: str, epoch: int) -> int:
+    """The trace a job's spans belong to: its episode's, else its request's."""
+    return (episode_ids(sched_gen, req_id, epoch) if epoch
+            else request_ids(sched_gen, req_id))[0]
+
+
 def job_span_id(sched_gen: str, job_id: int) -> int:
     return _nonzero(int.from_bytes(_digest("job", sched_gen, job_id)[:8], "big"))
 

@@ -14,6 +14,7 @@ from collections import Counter
 from datetime import datetime, timezone
 
 from kvobs_otel.analysis.episodes import Episode, rebuild
+from kvobs_otel.analysis.stats import percentile
 from kvobs_otel.otlp_file import FileSpan
 from kvobs_otel.report_plots import (
     collect_transfers,
@@ -23,7 +24,7 @@ from kvobs_otel.report_plots import (
     throughput_spread,
     throughput_table,
 )
-from kvobs_otel.report_svg import esc, fmt_ms, percentile
+from kvobs_otel.report_svg import esc, fmt_ms
 from kvobs_otel.report_timeline import ERROR_STROKE, KINDS, render_timeline
 
 DEFAULT_TITLE = "kvobs-otel recovery report"

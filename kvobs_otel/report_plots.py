@@ -7,6 +7,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from kvobs_otel.analysis.stats import percentile
 from kvobs_otel.otlp_file import FileSpan
 from kvobs_otel.report_svg import (
     MARKERS,
@@ -19,7 +20,6 @@ from kvobs_otel.report_svg import (
     fmt_num,
     marker,
     nice_step,
-    percentile,
     x_axis,
     y_axis,
 )

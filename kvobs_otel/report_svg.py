@@ -7,8 +7,7 @@ number formatting. Every string that reaches the markup goes through ``esc``.
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from html import escape
 
 
@@ -17,19 +16,11 @@ def esc(value: object) -> str:
     return escape(str(value), quote=True)
 
 
+
 def f1(x: float) -> str:
     """A coordinate with at most one decimal."""
     s = f"{x:.1f}"
     return s[:-2] if s.endswith(".0") else s
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Inclusive-method percentile, as ``kvobs-otel demo`` prints it."""
-    if not values:
-        return None
-    if len(values) == 1:
-        return float(values[0])
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def nice_step(raw: float) -> float:

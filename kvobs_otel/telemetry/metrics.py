@@ -110,8 +110,7 @@ class MetricsBuilder:
                     self.bytes.add(int(r.size_bytes), d)
                 ctx = None
                 if r.req_id is not None:  # exemplar -> the transfer's job span
-                    tid = (identity.episode_ids(r.sched_gen, r.req_id, r.episode_epoch)[0]
-                           if r.episode_epoch else identity.request_ids(r.sched_gen, r.req_id)[0])
+                    tid = identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch)
                     ctx = _in_trace(tid, identity.job_span_id(r.sched_gen, r.job_id))
                 self.duration.record((r.end_ns - r.start_ns) * _NS, {**d, "clock": "host"},
                                      context=ctx)

@@ -138,8 +138,7 @@ class SpanBuilder:
     def _transfer(self, r: rec.TransferRecord) -> None:
         if self._trace_for(r.sched_gen, r.req_id, r.episode_epoch) is None:
             return
-        tid = (identity.episode_ids(r.sched_gen, r.req_id, r.episode_epoch)[0]
-               if r.episode_epoch else identity.request_ids(r.sched_gen, r.req_id)[0])
+        tid = identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch)
         parent = _parent(tid, identity.job_span_id(r.sched_gen, r.job_id))
         attrs: dict[str, Any] = {
             A.REQUEST_ID: r.req_id, A.JOB_ID: r.job_id, A.DIRECTION: r.direction,

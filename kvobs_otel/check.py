@@ -17,6 +17,9 @@ def check_spans(spans: list[FileSpan]) -> tuple[list[Episode], dict[str, Any]]:
         "episodes": len(episodes),
         "complete": len(episodes) - len(incomplete),
         "incomplete": len(incomplete),
+        # Episodes whose ranks could not be joined (vLLM-HUST contract v1):
+        # judged on the scheduler's evidence only.
+        "scheduler_only": sum(e.join_scope != "cluster" for e in episodes),
         "incomplete_episodes": [{
             "request_id": e.request_id, "epoch": e.epoch, "trace_id": e.trace_id,
             "outcome": e.outcome, "ranks": e.expected_ranks, "problems": e.problems,
@@ -40,6 +43,10 @@ def format_table(episodes: list[Episode], show_all: bool = False) -> str:
     done = sum(e.complete for e in episodes)
     lines.append(f"{len(episodes)} recovery episodes: {done} complete, "
                  f"{len(episodes) - done} incomplete")
+    unjoined = sum(e.join_scope != "cluster" for e in episodes)
+    if unjoined:
+        lines.append(f"{unjoined} judged on scheduler evidence only (ranks not joinable: "
+                     "vLLM-HUST contract v1)")
     return "\n".join(lines)
 
 

@@ -40,10 +40,11 @@ def instrument(settings: Settings | None = None, *, default_enabled: bool = Fals
     or a missing vLLM logs one line and leaves vLLM untouched.
     """
     with _lock:
+        from kvobs_otel.hosts.hust import adapter as hust
         from kvobs_otel.hosts.vllm import instrumentor
 
-        if instrumentor.is_patched():
-            return True
+        if instrumentor.is_patched() or hust.current() is not None:
+            return is_instrumented()
         try:
             if settings is None:
                 import os
@@ -59,6 +60,8 @@ def instrument(settings: Settings | None = None, *, default_enabled: bool = Fals
         except ConfigError as e:
             logger.error("kvobs-otel: observation stays off: %s", e)
             return False
+        if _attach_hust(settings):
+            return hust.current() is not None and hust.current().observing  # type: ignore[union-attr]
         try:
             import vllm
 
@@ -79,15 +82,37 @@ def instrument(settings: Settings | None = None, *, default_enabled: bool = Fals
         return True
 
 
+def _attach_hust(settings: Settings) -> bool:
+    """True when the vLLM-HUST fork is present: its own observer contracts are
+    then used (or, for unknown versions, refused) and nothing is patched, so
+    no event is observed twice."""
+    from kvobs_otel.hosts.hust import adapter, contracts
+
+    detection = contracts.detect()
+    if not detection.present:
+        return False
+    try:
+        adapter.attach(settings, detection)
+    except Exception:
+        logger.exception("kvobs-otel: observation stays off: vLLM-HUST registration failed")
+        adapter.detach()
+    return True
+
+
 def uninstrument() -> None:
-    """Restore vLLM's original methods and detach every observed connector."""
+    """Restore vLLM's original methods, unregister from vLLM-HUST, and detach
+    every observed connector."""
     with _lock:
+        from kvobs_otel.hosts.hust import adapter as hust
         from kvobs_otel.hosts.vllm import instrumentor
 
+        hust.detach()
         instrumentor.unpatch_classes()
 
 
 def is_instrumented() -> bool:
+    from kvobs_otel.hosts.hust import adapter as hust
     from kvobs_otel.hosts.vllm import instrumentor
 
-    return instrumentor.is_patched()
+    a = hust.current()
+    return instrumentor.is_patched() or (a is not None and a.observing)

@@ -44,15 +44,15 @@ class Observer:
         self.pipeline = pipeline
         self.providers = make_providers(resource_attributes)
         self.spans = SpanBuilder(self.providers, s.traffic_sample_ratio, s.roster_cap)
-        self.lifecycle = make_lifecycle(self)
+        self.lifecycle = lc = make_lifecycle(self)
         # Drops and errors are per process: exactly one observer reports them.
         self.metrics = MetricsBuilder(
             self.providers,
-            open_receipts=((lambda: self.lifecycle.open_receipts)
-                           if hasattr(self.lifecycle, "open_receipts") else None),
+            open_receipts=((lambda: lc.open_receipts) if hasattr(lc, "open_receipts") else None),
             drops=lambda: pipeline.drop_counts() if pipeline.is_primary(self) else {},
             errors=lambda: pipeline.error_counts() if pipeline.is_primary(self) else {},
-            anomalies=self.lifecycle.anomalies)
+            anomalies=lc.anomalies, refused=getattr(lc, "refusals", None),
+            scheduler=(lc.role == "scheduler") if hasattr(lc, "role") else None)
         self.closed = False
 
     # RecordSink
@@ -93,7 +93,9 @@ class Pipeline:
         self.observers: list[Observer] = []
         self._errors: Counter[str] = Counter(dict.fromkeys(ERROR_STAGES, 0))
         self._logged: set[str] = set()
-        self._lock = threading.Lock()
+        # Reentrant: a consumer may register an observer while being drained
+        # (the vLLM-HUST adapter makes one per role and rank it first sees).
+        self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None

@@ -20,6 +20,14 @@ TRANSFER_OK = "ok"
 TRANSFER_FAILED = "failed"
 TRANSFER_REJECTED = "rejected"
 TRANSFER_CANCELLED = "cancelled"
+# Imported evidence ended before the transfer's result was recorded.
+TRANSFER_UNFINISHED = "unfinished"
+
+# How far a record's ids join: "cluster" (scheduler and every rank share one
+# trace) or "process" (a host whose records cannot be joined across processes,
+# vLLM-HUST contract v1: spans stay in the process that saw them).
+JOIN_CLUSTER = "cluster"
+JOIN_PROCESS = "process"
 
 # Roles of a job within an episode
 PRESERVE = "preserve"
@@ -30,7 +38,7 @@ RESTORE = "restore"
 class JobRecord:
     sched_gen: str
     job_id: int
-    req_id: str
+    req_id: str | None  # None: the host never said whose job (metrics only)
     kind: str  # "store" | "load"
     sync: bool
     blocks: int
@@ -62,6 +70,7 @@ class TransferRecord:
     end_ns: int
     episode_epoch: int = 0
     expedited: bool = False
+    join_scope: str = JOIN_CLUSTER
 
 
 @dataclass
@@ -74,6 +83,7 @@ class FirstComputeRecord:
     compute_kind: str
     start_ns: int
     end_ns: int
+    join_scope: str = JOIN_CLUSTER
 
 
 @dataclass
@@ -103,6 +113,10 @@ class EpisodeRecord:
     first_compute_ranks: list[int] = field(default_factory=list)
     missing_first_compute_ranks: list[int] = field(default_factory=list)
     incomplete_jobs: list[int] = field(default_factory=list)
+    # False when the host reports first compute only on the ranks (vLLM-HUST):
+    # the episode then ends at admission and its trace holds the evidence.
+    first_compute_observed: bool = True
+    join_scope: str = JOIN_CLUSTER
 
 
 @dataclass

@@ -37,6 +37,8 @@ FIRST_COMPUTE_RANKS = "kvobs.first_compute.ranks"
 FIRST_COMPUTE_MISSING = "kvobs.first_compute.missing_ranks"
 INCOMPLETE_JOBS = "kvobs.incomplete.job_ids"
 JOBS = "kvobs.jobs"
+# Set only when spans could not be joined across processes (value "process").
+JOIN_SCOPE = "kvobs.join.scope"
 LIST_DROPPED_SUFFIX = ".dropped"
 
 ERROR_TYPE = "error.type"  # standard name
@@ -51,3 +53,5 @@ RES_DP_RANK = "kvobs.dp.rank"
 RES_DEVICE = "kvobs.device.type"
 RES_VLLM_VERSION = "kvobs.vllm.version"
 RES_HOST_ADAPTER = "kvobs.host.adapter"
+RES_HOST_CONTRACT = "kvobs.host.contract"
+RES_PROCESS_START_ID = "kvobs.process.start_id"

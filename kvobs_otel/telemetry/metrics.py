@@ -37,7 +37,9 @@ class MetricsBuilder:
                  open_receipts: Callable[[], int] | None = None,
                  drops: Callable[[], dict[str, int]] | None = None,
                  errors: Callable[[], dict[str, int]] | None = None,
-                 anomalies: Callable[[], dict[str, int]] | None = None) -> None:
+                 anomalies: Callable[[], dict[str, int]] | None = None,
+                 refused: Callable[[], dict[str, int]] | None = None,
+                 scheduler: bool | None = None) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
         self.transfers = m.create_counter(
             "kvobs.transfers", unit="{transfer}", description="KV transfers by direction/outcome")
@@ -62,7 +64,9 @@ class MetricsBuilder:
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
         self.first_compute = m.create_counter(
             "kvobs.first_compute", unit="{event}", description="First computes after recovery")
-        if open_receipts is not None:  # the scheduler role
+        if scheduler is None:
+            scheduler = open_receipts is not None
+        if scheduler:
             # Counters an alert takes increase() of start at 0: a series whose
             # first sample is already 1 shows no increase to Prometheus.
             for kind in ("load", "store"):
@@ -72,6 +76,7 @@ class MetricsBuilder:
                             rec.PREEMPTED_AGAIN, rec.RECEIPT_INCOMPLETE,
                             rec.FIRST_COMPUTE_INCOMPLETE, rec.ABANDONED):
                 self.episodes.add(0, {"outcome": outcome})
+        if open_receipts is not None:
             m.create_observable_gauge(
                 "kvobs.receipts.open", unit="{job}", description="Jobs with an open receipt",
                 callbacks=[lambda _o: [Observation(open_receipts())]])
@@ -92,6 +97,12 @@ class MetricsBuilder:
                 description="Host records that could not be joined (late, unknown or "
                 "duplicate receipts; results without a submission or job)",
                 callbacks=[self._by("kind", anomalies)])
+        if refused is not None:
+            m.create_observable_counter(
+                "kvobs.host.refused", unit="{record}",
+                description="Host contracts and records refused (unknown versions, "
+                "malformed records), by reason",
+                callbacks=[self._by("reason", refused)])
 
     @staticmethod
     def _by(key: str, source: Callable[[], dict[str, int]]
@@ -109,7 +120,8 @@ class MetricsBuilder:
                 if r.size_bytes:
                     self.bytes.add(int(r.size_bytes), d)
                 ctx = None
-                if r.req_id is not None:  # exemplar -> the transfer's job span
+                if r.req_id is not None and r.join_scope == rec.JOIN_CLUSTER:
+                    # exemplar -> the transfer's job span
                     tid = identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch)
                     ctx = _in_trace(tid, identity.job_span_id(r.sched_gen, r.job_id))
                 self.duration.record((r.end_ns - r.start_ns) * _NS, {**d, "clock": "host"},
@@ -124,7 +136,9 @@ class MetricsBuilder:
         elif isinstance(r, rec.EpisodeRecord):
             self.episodes.add(1, {"outcome": r.outcome})
             ctx = _in_trace(*identity.episode_ids(r.sched_gen, r.req_id, r.epoch))
-            if r.outcome == rec.RECOVERED:
+            # Preemption -> first compute; a host that sees first compute only
+            # on the ranks (vLLM-HUST) cannot measure it in the scheduler.
+            if r.outcome == rec.RECOVERED and r.first_compute_observed:
                 self.recovery.record((r.end_ns - r.start_ns) * _NS, context=ctx)
             if r.admitted_ns is not None and r.ready_ns is not None:
                 self.admission_wait.record(max(0, r.admitted_ns - r.ready_ns) * _NS,

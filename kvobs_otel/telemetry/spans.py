@@ -136,10 +136,13 @@ class SpanBuilder:
                    error=None if r.outcome == rec.COMPLETE else r.outcome)
 
     def _transfer(self, r: rec.TransferRecord) -> None:
-        if self._trace_for(r.sched_gen, r.req_id, r.episode_epoch) is None:
+        if r.join_scope == rec.JOIN_PROCESS:
+            parent = None  # a root of its own: nothing to join it to
+        elif self._trace_for(r.sched_gen, r.req_id, r.episode_epoch) is None:
             return
-        tid = identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch)
-        parent = _parent(tid, identity.job_span_id(r.sched_gen, r.job_id))
+        else:
+            tid = identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch)
+            parent = _parent(tid, identity.job_span_id(r.sched_gen, r.job_id))
         attrs: dict[str, Any] = {
             A.REQUEST_ID: r.req_id, A.JOB_ID: r.job_id, A.DIRECTION: r.direction,
             A.BLOCKS: r.blocks, A.RANK: r.rank, A.WORKER_GEN: r.worker_gen,
@@ -151,16 +154,23 @@ class SpanBuilder:
             attrs[A.DEVICE_DURATION] = float(r.device_time_s)
         if r.episode_epoch:
             attrs[A.EPOCH] = r.episode_epoch
+        if r.join_scope != rec.JOIN_CLUSTER:
+            attrs[A.JOIN_SCOPE] = r.join_scope
         self._span(A.SPAN_TRANSFER, parent, r.start_ns, r.end_ns, attrs,
                    error=None if r.outcome == rec.TRANSFER_OK else f"transfer_{r.outcome}")
 
     def _first_compute(self, r: rec.FirstComputeRecord) -> None:
-        tid, _ = identity.episode_ids(r.sched_gen, r.req_id, r.epoch)
-        parent = _parent(tid, identity.admission_span_id(r.sched_gen, r.req_id, r.epoch))
-        self._span(A.SPAN_FIRST_COMPUTE, parent, r.start_ns, r.end_ns, {
+        attrs: dict[str, Any] = {
             A.REQUEST_ID: r.req_id, A.EPOCH: r.epoch, A.RANK: r.rank,
             A.WORKER_GEN: r.worker_gen, A.COMPUTE_KIND: r.compute_kind,
-            A.SCHED_GEN: r.sched_gen})
+            A.SCHED_GEN: r.sched_gen}
+        if r.join_scope == rec.JOIN_PROCESS:
+            attrs[A.JOIN_SCOPE] = r.join_scope
+            parent = None
+        else:
+            tid, _ = identity.episode_ids(r.sched_gen, r.req_id, r.epoch)
+            parent = _parent(tid, identity.admission_span_id(r.sched_gen, r.req_id, r.epoch))
+        self._span(A.SPAN_FIRST_COMPUTE, parent, r.start_ns, r.end_ns, attrs)
 
     def _episode(self, r: rec.EpisodeRecord) -> None:
         tid, sid = identity.episode_ids(r.sched_gen, r.req_id, r.epoch)
@@ -170,8 +180,10 @@ class SpanBuilder:
         }
         self._ids_list(attrs, A.PRESERVE_JOBS, r.preserve_jobs)
         self._ids_list(attrs, A.RESTORE_JOBS, r.restore_jobs)
-        if r.admitted_ns is not None:
+        if r.admitted_ns is not None and r.first_compute_observed:
             self._ids_list(attrs, A.FIRST_COMPUTE_RANKS, r.first_compute_ranks)
+        if r.join_scope != rec.JOIN_CLUSTER:
+            attrs[A.JOIN_SCOPE] = r.join_scope
         if r.missing_first_compute_ranks:
             self._ids_list(attrs, A.FIRST_COMPUTE_MISSING, r.missing_first_compute_ranks)
         if r.incomplete_jobs:

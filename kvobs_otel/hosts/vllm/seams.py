@@ -13,6 +13,7 @@ from typing import Any
 
 from kvobs_otel import identity
 from kvobs_otel.config import Settings
+from kvobs_otel.hosts.platform import device_type, vllm_version
 from kvobs_otel.hosts.vllm.metadata import STEP_ATTR, ReceiptWorkerMetadata
 from kvobs_otel.lifecycle import events as ev
 from kvobs_otel.lifecycle.events import COMPUTE_DECODE, COMPUTE_PREFILL
@@ -29,24 +30,6 @@ def _blocks(spec: Any) -> int:
     return len(ids) if ids is not None else 0
 
 
-def _vllm_version() -> str:
-    try:
-        import vllm
-        return str(vllm.__version__)
-    except Exception:
-        return "unknown"
-
-
-def _device_type(settings: Settings) -> str:
-    if settings.device_type != "auto":
-        return settings.device_type
-    try:
-        from vllm.platforms import current_platform
-        return str(current_platform.device_type or "cpu")
-    except Exception:
-        return "unknown"
-
-
 def _adapter(connector: Any) -> str:
     module = type(connector).__module__
     return "vllm-ascend" if module.startswith("vllm_ascend") else "vllm"
@@ -58,8 +41,8 @@ def _resource(connector: Any, settings: Settings, role: str, **extra: Any) -> di
     attrs = {
         A.RES_ROLE: role,
         A.RES_ENGINE: getattr(ktc, "engine_id", None),
-        A.RES_DEVICE: _device_type(settings),
-        A.RES_VLLM_VERSION: _vllm_version(),
+        A.RES_DEVICE: device_type(settings),
+        A.RES_VLLM_VERSION: vllm_version(),
         A.RES_HOST_ADAPTER: _adapter(connector),
     }
     attrs.update(extra)

@@ -1,0 +1,208 @@
+"""The live vLLM-HUST adapter: observers registered with the fork's registry.
+
+Serving path (the fork calls the observer inline with one frozen record):
+take the time, ``offer`` one tuple to the bounded buffer, return None. The
+record is validated and joined later, on the drain thread, by ``Router``.
+Returning None matters for v1: ``True`` would ask the host to emit its own
+evidence event.
+
+One ``Router`` per process. It owns an observer for the process itself (its
+resource says ``kvobs.role=host``; it exports refusals, drops and errors)
+and makes one observer per role and rank the first time a record of that
+role arrives, so each rank's spans carry that rank's resource.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from kvobs_otel import identity
+from kvobs_otel.config import Settings
+from kvobs_otel.hosts.hust import contracts, lifecycle, records
+from kvobs_otel.hosts.platform import device_type, vllm_version
+from kvobs_otel.pipeline import Observer, Pipeline, get_pipeline
+from kvobs_otel.telemetry import attributes as A
+
+logger = logging.getLogger("kvobs_otel")
+
+HOST = "vllm-hust"
+_RECORD = 1  # event kind: (router, _RECORD, t_ns, record)
+
+
+class Router:
+    """Drain-thread consumer of one process's vLLM-HUST records."""
+
+    role = "host"
+
+    def __init__(self, pipeline: Pipeline, settings: Settings, detection: contracts.Detection
+                 ) -> None:
+        self.pipeline = pipeline
+        self.settings = settings
+        self.contract = detection.chosen
+        self.refused: Counter[str] = Counter(
+            dict.fromkeys(contracts.CONTRACT_REASONS + records.RECORD_REASONS, 0))
+        for _c, reason, _detail in detection.refused:
+            self.refused[reason] += 1
+        self._logged: set[str] = set()
+        self.gen = identity.new_generation()  # v1 records carry none: ours
+        self.roles: dict[tuple[str, int | None], Observer] = {}
+        self.observer = Observer(pipeline, lambda _sink: self, self._resource("host", None))
+        pipeline.register(self.observer)
+
+    # Observer's lifecycle protocol (the host observer has no spans of its own)
+    def refusals(self) -> dict[str, int]:
+        return dict(self.refused)
+
+    def anomalies(self) -> dict[str, int]:
+        return {}
+
+    def _resource(self, role: str, rank: int | None) -> dict[str, Any]:
+        attrs: dict[str, Any] = {
+            A.RES_ROLE: role, A.RES_DEVICE: device_type(self.settings),
+            A.RES_VLLM_VERSION: vllm_version(), A.RES_HOST_ADAPTER: HOST,
+            A.RES_HOST_CONTRACT: self.contract.name if self.contract else "none",
+        }
+        if rank is not None:
+            attrs[A.RES_RANK] = rank
+        return attrs
+
+    def _refuse(self, reason: str) -> None:
+        self.refused[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)  # once per reason, not per record
+            logger.warning("kvobs-otel: vLLM-HUST record refused (%s); further ones are "
+                           "only counted in kvobs.host.refused", reason)
+
+    def _lifecycle(self, role: str, rank: int | None) -> Any:
+        obs = self.roles.get((role, rank))
+        if obs is None:
+            v2 = self.contract is contracts.V2
+            if role == "scheduler":
+                make = ((lambda sink: lifecycle.CorrelatedScheduler(sink)) if v2
+                        else (lambda sink: lifecycle.ProcessScheduler(sink, self.gen)))
+            else:
+                r = int(rank or 0)
+                make = ((lambda sink: lifecycle.CorrelatedWorker(sink, r)) if v2
+                        else (lambda sink: lifecycle.ProcessWorker(sink, r, self.gen)))
+            obs = self.roles[(role, rank)] = Observer(self.pipeline, make,
+                                                      self._resource(role, rank))
+            self.pipeline.register(obs)
+        return obs.lifecycle
+
+    def handle(self, event: tuple[Any, ...]) -> None:
+        t, record = event[2], event[3]
+        if self.contract is contracts.V2:
+            d, reason = records.check_v2(record)
+            scheduler_events = records.V2_SCHEDULER_EVENTS
+        else:
+            d, reason = records.check_v1(record)
+            scheduler_events = records.V1_SCHEDULER_EVENTS
+        if d is None:
+            self._refuse(reason or records.NOT_A_RECORD)
+            return
+        if d["event"] in scheduler_events:
+            self._lifecycle("scheduler", None).record(d, t)
+        elif d["rank"] is not None:
+            self._lifecycle("worker", d["rank"]).record(d, t)
+        # else: a v1 transfer_descriptors record (rank None): nothing to join
+
+    def close(self) -> None:
+        now = time.monotonic_ns()
+        self.pipeline.flush()
+        for obs in list(self.roles.values()):
+            shutdown = getattr(obs.lifecycle, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown(now)
+                except Exception:
+                    self.pipeline.count_error("shutdown")
+            obs.close()
+        self.observer.close()
+
+
+class Adapter:
+    """Registration with the fork, for one process."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.router: Router | None = None
+        self.handles: list[tuple[Any, Any]] = []  # (module, handle)
+
+    def attach(self, settings: Settings, detection: contracts.Detection) -> bool:
+        pipeline = get_pipeline(settings)
+        self.router = router = Router(pipeline, settings, detection)
+        chosen = detection.chosen
+        if chosen is None:
+            return False  # every contract refused: fail closed, refusals exported
+        module = detection.admitted[chosen.key]
+        offer = pipeline.offer
+        now = time.monotonic_ns
+
+        def observe(record: Any) -> None:
+            try:
+                offer((router, _RECORD, now(), record))
+            except Exception:
+                pipeline.count_error("seam")
+            return None
+
+        register = getattr(module, chosen.register)
+        handle = register(observe) if chosen is contracts.V2 else register("kvobs-otel", observe)
+        if getattr(handle, "contract", chosen.name) != chosen.name:
+            # The registry answered for another contract: do not trust it.
+            getattr(module, chosen.unregister)(handle)
+            router.refused[contracts.UNKNOWN_CONTRACT] += 1
+            logger.error("kvobs-otel: vLLM-HUST %s handed back a handle for %r; refused",
+                         chosen.key, getattr(handle, "contract", None))
+            return False
+        self.handles.append((getattr(module, chosen.unregister), handle))
+        logger.info("kvobs-otel: observing vLLM-HUST through %s (API %s)", chosen.name,
+                    chosen.api_version)
+        return True
+
+    def detach(self) -> None:
+        for unregister, handle in self.handles:
+            try:
+                unregister(handle)  # idempotent by contract
+            except Exception:
+                logger.warning("kvobs-otel: unregistering from vLLM-HUST failed", exc_info=True)
+        self.handles.clear()
+        if self.router is not None and self.pid == os.getpid():
+            self.router.close()
+        self.router = None
+
+    @property
+    def observing(self) -> bool:
+        return bool(self.handles)
+
+
+_adapter: Adapter | None = None
+_lock = threading.Lock()
+
+
+def current() -> Adapter | None:
+    """This process's adapter; one inherited through fork() does not count
+    (the fork drops observers in a forked child)."""
+    a = _adapter
+    return a if a is not None and a.pid == os.getpid() else None
+
+
+def attach(settings: Settings, detection: contracts.Detection) -> bool:
+    global _adapter
+    with _lock:
+        if current() is not None:
+            return current().observing  # type: ignore[union-attr]
+        _adapter = Adapter()
+        return _adapter.attach(settings, detection)
+
+
+def detach() -> None:
+    global _adapter
+    with _lock:
+        a, _adapter = current(), None
+        if a is not None:
+            a.detach()

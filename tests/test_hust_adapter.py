@@ -1,0 +1,287 @@
+"""The live vLLM-HUST adapter against the stand-in of the fork's contracts.
+
+The fork cannot be installed here; ``tests/standins/vllm_hust_contract``
+reproduces its documented contract surface (see its docstring). The stand-in
+modules are installed under the fork's module paths, so the adapter finds
+them exactly as it would find the fork's, and the stand-in's ``emit_v1`` /
+``emit_v2`` play the fork's call sites.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+from vllm_hust_contract import chains
+from vllm_hust_contract import correlated_observability as v2
+from vllm_hust_contract import observability as v1
+
+import kvobs_otel
+from kvobs_otel.analysis.episodes import rebuild
+from kvobs_otel.config import Settings
+from kvobs_otel.hosts.hust import contracts
+from kvobs_otel.hosts.vllm import instrumentor
+from kvobs_otel.otlp_file import spans_from_document
+from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
+
+from chains import by_trace, view
+
+SETTINGS = Settings(enabled=True, drain_interval_s=0.02)
+
+
+def install(monkeypatch: pytest.MonkeyPatch, v1_module: ModuleType | None = v1,
+            v2_module: ModuleType | None = v2) -> None:
+    """Make the stand-in modules importable under the fork's paths."""
+    for contract, module in ((contracts.V1, v1_module), (contracts.V2, v2_module)):
+        if module is None:
+            monkeypatch.setitem(sys.modules, contract.module, None)  # import fails
+        else:
+            monkeypatch.setitem(sys.modules, contract.module, module)
+
+
+@pytest.fixture
+def fork(monkeypatch: pytest.MonkeyPatch, telemetry) -> Iterator:
+    v1.reset_kv_transfer_observers()
+    v2.reset_correlated_observers()
+    install(monkeypatch)
+    yield telemetry
+    kvobs_otel.uninstrument()
+    v1.reset_kv_transfer_observers()
+    v2.reset_correlated_observers()
+
+
+def emit(chain: chains.Chain) -> None:
+    for e in chain:
+        if isinstance(e.record, v2.CorrelatedObservation):
+            v2.emit_v2(e.record)
+        else:
+            v1.emit_v1(e.record)
+
+
+def run(chain: chains.Chain, telemetry) -> list:
+    assert kvobs_otel.instrument(SETTINGS)
+    emit(chain)
+    kvobs_otel.uninstrument()  # drains, ends what is open, flushes
+    return telemetry.spans()
+
+
+def file_spans(spans: list) -> list:
+    return spans_from_document(spans_to_otlp_json(spans))
+
+
+def restore_shape(spans: list) -> list[tuple]:
+    """Per recovered episode, the restore chain as (span, parent span, rank):
+    the part every host can report."""
+    out = []
+    for trace in by_trace(spans).values():
+        ids = {s.span_id: s.name for s in trace}
+        (root,) = [s for s in trace if s.name == "kv.recovery"]
+        restores = set(root.attrs.get("kvobs.restore.job_ids", ()))
+        shape = []
+        for s in trace:
+            job = s.attrs.get("kvobs.job.id")
+            if s.name in ("kv.job", "kv.transfer") and job not in restores:
+                continue  # preserve (D2H) jobs: the v2 contract has none
+            shape.append((s.name, ids.get(s.parent_id), s.attrs.get("kvobs.rank"),
+                          s.attrs.get("kvobs.outcome")))
+        out.append((root.attrs["kvobs.recovery.epoch"], sorted(shape, key=repr)))
+    return sorted(out, key=repr)
+
+
+def test_v2_recovery_chain_becomes_one_complete_trace_per_epoch(fork):
+    spans = run(chains.recovery_chain(), fork)
+    episodes = rebuild(file_spans(spans))
+    assert [(e.request_id, e.epoch, e.outcome) for e in episodes] == [
+        (chains.REQUEST_ID, 1, "recovered"), (chains.REQUEST_ID, 2, "recovered")]
+    assert all(e.complete for e in episodes), [e.problems for e in episodes]
+    for e in episodes:
+        assert e.sched_gen == chains.SCHEDULER_GENERATION
+        assert e.restore_jobs == [chains.JOB_IDS[e.epoch]]
+        transfers = e.named("kv.transfer")
+        assert {(s.attributes["kvobs.rank"], s.attributes["kvobs.worker.generation"])
+                for s in transfers} == set(chains.WORKER_GENERATIONS.items())
+        assert {s.attributes["kvobs.blocks"] for s in transfers} == {chains.BLOCKS[e.epoch]}
+        kinds = {s.attributes["kvobs.compute.kind"] for s in e.named("kv.first_compute")}
+        assert kinds == {"prefill" if e.epoch == 1 else "decode"}
+        # The scheduler never sees first compute in v2: not claimed on the root.
+        assert "kvobs.first_compute.ranks" not in e.root.attributes
+    # Each role and rank exports under its own resource, saying which host.
+    resources = {(s.resource.get("kvobs.role"), s.resource.get("kvobs.rank"))
+                 for s in file_spans(spans)}
+    assert resources == {("scheduler", None), ("worker", 0), ("worker", 1)}
+    assert {s.resource["kvobs.host.adapter"] for s in file_spans(spans)} == {"vllm-hust"}
+    assert {s.resource["kvobs.host.contract"] for s in file_spans(spans)} == {
+        "vllm.kv-transfer.observer.v2"}
+
+
+def test_fork_present_means_no_patching_and_v2_preferred(fork):
+    assert kvobs_otel.instrument(SETTINGS)
+    assert not instrumentor.is_patched()  # the fork's own seams, nothing observed twice
+    assert v2.correlated_observers_configured()
+    assert not v1.kv_transfer_observers_configured()
+    kvobs_otel.uninstrument()
+    assert not v2.correlated_observers_configured()
+    assert not kvobs_otel.is_instrumented()
+
+
+def test_disabled_registers_nothing(fork):
+    assert not kvobs_otel.instrument(Settings(enabled=False))
+    assert not v2.correlated_observers_configured()
+    assert not v1.kv_transfer_observers_configured()
+
+
+def test_restarted_worker_generation_stays_joined(fork):
+    spans = run(chains.restarted_worker_chain(), fork)
+    episodes = {e.epoch: e for e in rebuild(file_spans(spans))}
+    assert all(e.complete for e in episodes.values()), [e.problems for e in episodes.values()]
+    gens = {ep: {s.attributes["kvobs.rank"]: s.attributes["kvobs.worker.generation"]
+                 for s in e.named("kv.transfer") + e.named("kv.first_compute")}
+            for ep, e in episodes.items()}
+    assert gens[1][1] == chains.WORKER_GENERATIONS[1]
+    assert gens[2][1] == chains.RESTARTED_WORKER_GENERATION
+    assert fork.metric_total("kvobs.observer.anomalies") == 0
+
+
+def test_dropped_stage_is_an_incomplete_episode(fork):
+    spans = run(chains.dropped_stage("restore_completed", epoch=2, rank=1), fork)
+    episodes = {e.epoch: e for e in rebuild(file_spans(spans))}
+    assert episodes[1].complete
+    assert not episodes[2].complete
+    assert any("restore missing on ranks [1]" in p for p in episodes[2].problems)
+    # The open restore is not lost: it ends, as an error, when observation stops.
+    (open_t,) = [s for s in fork.spans("kv.transfer")
+                 if s.attributes["kvobs.outcome"] != "ok"]
+    assert open_t.attributes["kvobs.rank"] == 1
+    assert open_t.status.status_code.name == "ERROR"
+
+
+def test_dropped_requeue_still_roots_the_evidence(fork):
+    spans = run(chains.dropped_stage("recovery_requeued", epoch=2, rank=None), fork)
+    (ep2,) = [e for e in rebuild(file_spans(spans)) if e.epoch == 2]
+    assert "kv.requeue_missing" in ep2.root.events
+    assert fork.metric_total("kvobs.observer.anomalies", kind="requeue_missing") == 1
+
+
+@pytest.mark.parametrize("event,epoch,rank", [
+    ("transfer_receipt", 1, None), ("restore_completed", 2, 0), ("first_compute", 1, 1),
+    ("recovery_admitted", 2, None), ("restore_submitted", 1, 1)])
+def test_duplicated_stage_is_seen_once_and_counted(fork, event, epoch, rank):
+    clean = restore_shape(run(chains.recovery_chain(), fork))
+    fork.exporter.clear()
+    for r in fork.readers:
+        r.get_metrics_data()
+    spans = run(chains.duplicated_stage(event, epoch=epoch, rank=rank), fork)
+    assert restore_shape(spans) == clean
+    assert fork.metric_total("kvobs.observer.anomalies", kind="duplicate_record") >= 1
+
+
+def test_roster_at_and_over_the_cap(fork):
+    assert kvobs_otel.instrument(SETTINGS)
+    v2.emit_v2(chains.at_cap_admission())
+    with pytest.raises(v2.InvalidObservation):  # the host refuses it before dispatch
+        v2.emit_v2(chains.over_cap_admission())
+    kvobs_otel.uninstrument()
+    (root,) = fork.spans("kv.recovery")
+    # The attribute is capped (KVOBS_OTEL_ROSTER_CAP); the rest is counted.
+    assert len(root.attributes["kvobs.restore.job_ids"]) == SETTINGS.roster_cap
+    assert root.attributes["kvobs.restore.job_ids.dropped"] == (
+        v2.MAX_CORRELATED_ROSTER - SETTINGS.roster_cap)
+
+
+def test_records_the_host_would_refuse_are_counted_never_raised(fork):
+    """Records that reach the adapter anyway (a host without validation, a
+    newer host): each is refused by our own validation and counted."""
+    assert kvobs_otel.instrument(SETTINGS)
+    (observer,) = list(v2._observers.values())  # what the fork would call
+    bad = chains.malformed_v2_records()
+    for record in bad.values():
+        assert observer(record) is None
+    observer(chains.over_cap_admission())
+    observer("not a record")
+    kvobs_otel.uninstrument()
+    refused = fork.metric_total("kvobs.host.refused")
+    assert refused == len(bad) + 2
+    assert fork.metric_total("kvobs.host.refused", reason="record_roster_over_cap") >= 2
+    assert not fork.spans()
+
+
+def test_v1_only_host_joins_within_each_process(monkeypatch, fork):
+    install(monkeypatch, v1_module=v1, v2_module=None)
+    spans = run(chains.v1_recovery_chain(), fork)
+    assert v1.effective_evidence_requests() == ()  # never asks for host evidence
+    episodes = rebuild(file_spans(spans))
+    assert [(e.epoch, e.outcome, e.join_scope) for e in episodes] == [
+        (1, "recovered", "process"), (2, "recovered", "process")]
+    assert all(e.complete for e in episodes), [e.problems for e in episodes]
+    for e in episodes:
+        (job,) = e.named("kv.job")
+        assert job.attributes["kvobs.receipt.ranks"] == [0, 1]
+        assert not e.named("kv.transfer")  # not joinable: they stay in their process
+    traces = by_trace(spans)
+    transfers = [view(s) for s in fork.spans("kv.transfer")]
+    assert len(transfers) == 4
+    for t in transfers:
+        assert t.parent_id is None and t.attrs["kvobs.join.scope"] == "process"
+        assert len(traces[t.trace_id]) == 1
+        assert t.attrs["kvobs.bytes"] > 0 and t.attrs["kvobs.direction"] == "h2d"
+    # Descriptors hold raw offsets: nothing of them leaves the process.
+    assert not any("descriptor" in k for s in spans for k in s.attributes)
+
+
+def test_v1_shutdown_cancel_is_an_error_transfer(monkeypatch, fork):
+    install(monkeypatch, v1_module=v1, v2_module=None)
+    e = chains.v1_shutdown_cancel()
+    submitted = chains.Emission(e.process, v1.KVTransferObservation(
+        "transfer_submitted", e.record.observed_at_ns - 10, operation="d2h_preserve",
+        job_id=e.record.job_id, rank=0, request_id=chains.REQUEST_ID, block_count=8))
+    run((submitted, e), fork)
+    (t,) = fork.spans("kv.transfer")
+    assert t.attributes["kvobs.outcome"] == "cancelled" and t.attributes["kvobs.direction"] == "d2h"
+
+
+@pytest.mark.parametrize("which", ["v2", "v1", "both"])
+def test_unknown_contract_version_is_refused_fail_closed(monkeypatch, fork, caplog, which):
+    odd_v2 = chains.unknown_version_module(v2)
+    odd_v1 = chains.unknown_version_module(v1, "vllm.kv-transfer.observer.v1", "1.7")
+    install(monkeypatch, v1_module=odd_v1 if which in ("v1", "both") else v1,
+            v2_module=odd_v2 if which in ("v2", "both") else v2)
+    with caplog.at_level(logging.ERROR, logger="kvobs_otel"):
+        on = kvobs_otel.instrument(SETTINGS)
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == (2 if which == "both" else 1)
+    assert not instrumentor.is_patched()  # the fork is there: never patch it
+    if which == "v2":  # falls back to v1, honestly
+        assert on and v1.kv_transfer_observers_configured()
+    elif which == "v1":
+        assert on and v2.correlated_observers_configured()
+    else:
+        assert not on
+        assert not v1.kv_transfer_observers_configured()
+        assert not v2.correlated_observers_configured()
+    kvobs_otel.uninstrument()
+    reason = "contract_unknown" if which == "v2" else "contract_unknown_api_version"
+    assert fork.metric_total("kvobs.host.refused", reason=reason) >= 1
+
+
+def test_a_broken_fork_module_is_refused_not_raised(monkeypatch, fork):
+    broken = ModuleType(contracts.V2.module)
+    broken.KV_TRANSFER_OBSERVER_CONTRACT = contracts.V2.name
+    broken.KV_TRANSFER_OBSERVABILITY_API_VERSION = "2.0"  # but no register function
+    install(monkeypatch, v1_module=None, v2_module=broken)
+    assert not kvobs_otel.instrument(SETTINGS)
+    kvobs_otel.uninstrument()
+    assert fork.metric_total("kvobs.host.refused", reason="contract_missing_api") == 1
+
+
+def test_a_raising_registry_never_reaches_vllm(monkeypatch, fork):
+    angry = chains.unknown_version_module(v2, contracts.V2.name, "2.0")
+
+    def register(_observer):
+        raise RuntimeError("registry down")
+
+    angry.register_correlated_observer = register
+    install(monkeypatch, v1_module=None, v2_module=angry)
+    assert not kvobs_otel.instrument(SETTINGS)  # logged, stays off

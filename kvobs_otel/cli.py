@@ -64,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-o", "--output", default="kvobs-report.html",
                    help="output file (default ./kvobs-report.html)")
 
+    h = sub.add_parser(
+        "import-hust", help="turn vLLM-HUST JSONL evidence files into spans",
+        description="Read the vLLM-HUST plugin's JSONL files (schemas "
+        "vllm-hust.kv-transfer-event.v2, vllm-hust.host-fact.v1, vllm-hust.correlated-host.v2) "
+        "and write the same spans the live adapter makes: to an OTLP JSON file, and to an "
+        "OTLP endpoint when one is configured. Records are joined by their ids, never ordered "
+        "across processes by their clocks. Exit status: 0 all lines used, 1 some lines "
+        "refused or the evidence has anomalies (counted in the summary), 2 nothing usable.")
+    h.add_argument("files", nargs="+", metavar="FILE", help="JSONL files (any order)")
+    h.add_argument("-o", "--out", default="kvobs-hust.otlp.jsonl",
+                   help="OTLP JSON output file (default ./kvobs-hust.otlp.jsonl)")
+    h.add_argument("--otlp-endpoint", help="also export over OTLP to this endpoint")
+    h.add_argument("--json", action="store_true", help="print the summary as JSON")
+
     dr = sub.add_parser(
         "doctor", help="check vLLM, the instrumentation and the exporter in this environment",
         description="Checks the vLLM version, whether instrumentation is active, the exporter "
@@ -95,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         except OtlpFileError as e:
             return _fail(args.command, str(e))
         return _check(args, spans) if args.command == "check" else _report(args, spans)
+    if args.command == "import-hust":
+        return _import_hust(args)
     if args.command == "doctor":
         from kvobs_otel.doctor import FAIL, format_findings, run_doctor
 
@@ -118,6 +134,52 @@ def _demo(args: argparse.Namespace) -> int:
         return _fail("demo", str(e))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 1 if summary["incomplete_receipts"] else 0
+
+
+def _import_hust(args: argparse.Namespace) -> int:
+    import os
+
+    from kvobs_otel.hosts.hust.jsonl import read_evidence
+    from kvobs_otel.hust_import import format_summary, import_evidence, summary
+    from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
+    from kvobs_otel.telemetry.providers import make_providers, make_span_exporter
+
+    def progress(path: str, n: int) -> None:
+        if sys.stderr.isatty():
+            print(f"kvobs-otel import-hust: read {path} ({n} lines)", file=sys.stderr)
+
+    evidence = read_evidence(args.files, progress)
+    for path, why in evidence.unreadable:
+        print(f"kvobs-otel import-hust: {path}: {why}", file=sys.stderr)
+    if not evidence.records:
+        return _fail("import-hust", "no usable record in the input"
+                     + (f" ({sum(evidence.refused.values())} lines refused)"
+                        if evidence.refused else ""))
+    if args.otlp_endpoint:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
+    endpoint = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") \
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    try:
+        with open(args.out, "w", encoding="utf-8"):
+            pass  # a fresh file: spans are appended per batch
+        if endpoint:
+            make_span_exporter()  # a bad OTEL_* exporter setting fails here, clearly
+    except OSError as e:
+        return _fail("import-hust", f"{args.out}: {e.strerror}")
+    except ValueError as e:
+        return _fail("import-hust", str(e))
+
+    def providers(attrs: dict):
+        # One exporter per provider: shutting a provider down shuts its exporters.
+        exporters = [OtlpJsonFileSpanExporter(args.out)]
+        if endpoint:
+            exporters.append(make_span_exporter())
+        return make_providers(attrs, span_exporters=exporters, metrics=False)
+
+    result = import_evidence(evidence, providers)
+    s = summary(evidence, result, args.out, endpoint)
+    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    return 1 if (s["refused"] or s["anomalies"] or s["unreadable"]) else 0
 
 
 def _check(args: argparse.Namespace, spans: list) -> int:

@@ -171,7 +171,11 @@ class Providers:
         self.meter_provider.shutdown()
 
 
-def make_providers(resource_attributes: dict[str, Any]) -> Providers:
+def make_providers(resource_attributes: dict[str, Any],
+                   span_exporters: list[SpanExporter] | None = None,
+                   metrics: bool = True) -> Providers:
+    """Providers exporting as the OTEL_* variables say, or to ``span_exporters``
+    (then with metrics only if ``metrics``)."""
     resource = make_resource(resource_attributes)
     ids = ConfigurableIdGenerator()
     # Sampling is decided before a span is built (per trace, identically in
@@ -179,6 +183,9 @@ def make_providers(resource_attributes: dict[str, Any]) -> Providers:
     tp = TracerProvider(resource=resource, id_generator=ids, sampler=ALWAYS_ON)
     if _overrides.span_processor is not None:
         tp.add_span_processor(_overrides.span_processor())
+    elif span_exporters is not None:
+        for exporter in span_exporters:
+            tp.add_span_processor(BatchSpanProcessor(exporter))
     else:
         exporter = make_span_exporter()
         if exporter is not None:
@@ -188,7 +195,9 @@ def make_providers(resource_attributes: dict[str, Any]) -> Providers:
             # Beside (or, with OTEL_TRACES_EXPORTER=none, instead of) OTLP.
             from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
             tp.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(path)))
-    if _overrides.metric_reader is not None:
+    if not metrics:
+        readers: list[MetricReader] = []
+    elif _overrides.metric_reader is not None:
         readers = [_overrides.metric_reader()]
     else:
         reader = make_metric_reader()

@@ -81,14 +81,7 @@ class Router:
     def _lifecycle(self, role: str, rank: int | None) -> Any:
         obs = self.roles.get((role, rank))
         if obs is None:
-            v2 = self.contract is contracts.V2
-            if role == "scheduler":
-                make = ((lambda sink: lifecycle.CorrelatedScheduler(sink)) if v2
-                        else (lambda sink: lifecycle.ProcessScheduler(sink, self.gen)))
-            else:
-                r = int(rank or 0)
-                make = ((lambda sink: lifecycle.CorrelatedWorker(sink, r)) if v2
-                        else (lambda sink: lifecycle.ProcessWorker(sink, r, self.gen)))
+            make = lifecycle.lifecycle_for(self.contract is contracts.V2, role, rank, self.gen)
             obs = self.roles[(role, rank)] = Observer(self.pipeline, make,
                                                       self._resource(role, rank))
             self.pipeline.register(obs)
@@ -105,11 +98,9 @@ class Router:
         if d is None:
             self._refuse(reason or records.NOT_A_RECORD)
             return
-        if d["event"] in scheduler_events:
-            self._lifecycle("scheduler", None).record(d, t)
-        elif d["rank"] is not None:
-            self._lifecycle("worker", d["rank"]).record(d, t)
-        # else: a v1 transfer_descriptors record (rank None): nothing to join
+        role = records.role_of(d, scheduler_events)
+        if role is not None:
+            self._lifecycle(*role).record(d, t)
 
     def close(self) -> None:
         now = time.monotonic_ns()

@@ -22,6 +22,7 @@ counted by kind; the evidence is still turned into spans where it can be.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -402,3 +403,17 @@ class ProcessWorker(_Base):
     def shutdown(self, t: int, outcome: str = rec.TRANSFER_CANCELLED) -> None:
         for job in list(self.inflight):
             self._transfer(job, t, outcome)
+
+
+def lifecycle_for(correlated: bool, role: str, rank: int | None, gen: str
+                  ) -> Callable[[RecordSink], Any]:
+    """The translator for one role (and rank) of one process: contract v2
+    (``correlated``) or v1, whose records need the process's ``gen``."""
+    if role == "scheduler":
+        if correlated:
+            return CorrelatedScheduler
+        return lambda sink: ProcessScheduler(sink, gen)
+    r = int(rank or 0)
+    if correlated:
+        return lambda sink: CorrelatedWorker(sink, r)
+    return lambda sink: ProcessWorker(sink, r, gen)

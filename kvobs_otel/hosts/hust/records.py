@@ -242,3 +242,13 @@ def check_v1(record: Any) -> tuple[dict[str, Any] | None, str | None]:
         return None, r.reason
     except Exception:
         return None, NOT_A_RECORD
+
+
+def role_of(d: dict[str, Any], scheduler_events: frozenset[str]) -> tuple[str, int | None] | None:
+    """Which lifecycle a valid record belongs to: ("scheduler", None),
+    ("worker", rank), or None (v1 transfer_descriptors: rank None, joins nothing)."""
+    if d["event"] in scheduler_events:
+        return "scheduler", None
+    if d["rank"] is not None:
+        return "worker", d["rank"]
+    return None

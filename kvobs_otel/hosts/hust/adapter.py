@@ -19,14 +19,16 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvobs_otel import identity
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.hust import contracts, lifecycle, records
 from kvobs_otel.hosts.platform import device_type, vllm_version
-from kvobs_otel.pipeline import Observer, Pipeline, get_pipeline
 from kvobs_otel.telemetry import attributes as A
+
+if TYPE_CHECKING:  # the pipeline (and the SDK) load only once observation is on
+    from kvobs_otel.pipeline import Observer, Pipeline
 
 logger = logging.getLogger("kvobs_otel")
 
@@ -41,6 +43,8 @@ class Router:
 
     def __init__(self, pipeline: Pipeline, settings: Settings, detection: contracts.Detection
                  ) -> None:
+        from kvobs_otel.pipeline import Observer
+
         self.pipeline = pipeline
         self.settings = settings
         self.contract = detection.chosen
@@ -81,6 +85,8 @@ class Router:
     def _lifecycle(self, role: str, rank: int | None) -> Any:
         obs = self.roles.get((role, rank))
         if obs is None:
+            from kvobs_otel.pipeline import Observer
+
             make = lifecycle.lifecycle_for(self.contract is contracts.V2, role, rank, self.gen)
             obs = self.roles[(role, rank)] = Observer(self.pipeline, make,
                                                       self._resource(role, rank))
@@ -125,6 +131,8 @@ class Adapter:
         self.handles: list[tuple[Any, Any]] = []  # (module, handle)
 
     def attach(self, settings: Settings, detection: contracts.Detection) -> bool:
+        from kvobs_otel.pipeline import get_pipeline
+
         pipeline = get_pipeline(settings)
         self.router = router = Router(pipeline, settings, detection)
         chosen = detection.chosen

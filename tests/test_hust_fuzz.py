@@ -1,0 +1,320 @@
+"""Malformed vLLM-HUST records, fuzzed with hypothesis: none may raise, every one is counted.
+
+``tests/standins/vllm_hust_contract`` is a STAND-IN for the vLLM-HUST fork's
+contract modules (the fork cannot be installed here). Its host-side v2
+validation is the oracle for "the host would refuse this record": our own
+validation must be at least as strict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Iterator
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm_hust_contract import chains
+from vllm_hust_contract import correlated_observability as v2
+from vllm_hust_contract import observability as v1
+
+import kvobs_otel
+from kvobs_otel.analysis.episodes import rebuild
+from kvobs_otel.config import Settings
+from kvobs_otel.hosts.hust import contracts
+from kvobs_otel.hosts.hust import records as R
+from kvobs_otel.otlp_file import spans_from_document
+from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
+
+PURE = settings(max_examples=150, deadline=None)
+LIVE = settings(max_examples=15, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = Settings(enabled=True, drain_interval_s=0.02)
+
+V2_CHAIN = tuple(e.record for e in chains.recovery_chain())
+V1_CHAIN = tuple(e.record for e in chains.v1_recovery_chain())
+V1_RECORDS = (*V1_CHAIN, chains.v1_shutdown_cancel().record)
+GEN = chains.WORKER_GENERATIONS[0]
+WORKERS = tuple(sorted(chains.WORKER_GENERATIONS.items()))
+OVER = R.MAX_ROSTER + 1  # cheap to build: tuple multiplication and one range
+WORKERS_OVER = (tuple((r, GEN) for r in range(OVER)), ((0, GEN),) * OVER)
+ROSTER_OVER = (tuple((j, WORKERS) for j in range(OVER)), ((7, WORKERS),) * OVER,
+               ((7, WORKERS_OVER[0]),))
+DESCRIPTORS_OVER = ((0, 1, 0, 0, 65536),) * OVER
+
+# ------------------------------------------------------------------ values
+JUNK = st.one_of(st.floats(), st.binary(max_size=8), st.lists(st.integers(), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                 st.tuples(st.integers()), st.builds(object), st.complex_numbers())
+NON_INT = st.one_of(JUNK, st.booleans(), st.text(max_size=8))
+NON_STR = st.one_of(JUNK, st.booleans(), st.integers())
+PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+
+
+def spliced(odd: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    """A printable ASCII request id with one ``odd`` character in it."""
+    return st.builds(lambda a, c, b: a + c + b, st.text(PRINTABLE, max_size=64), odd,
+                     st.text(PRINTABLE, max_size=63))
+
+
+BAD_REQUEST_ID = st.one_of(
+    spliced(st.characters(min_codepoint=0x80)),  # non-ASCII
+    spliced(st.characters(max_codepoint=0x1F) | st.just("\x7f")),  # control characters
+    st.just(""), st.text(PRINTABLE, min_size=129, max_size=300), NON_STR)
+BAD_GEN = st.one_of(st.text(max_size=40), st.text("0123456789abcdefABCDEF-", min_size=31,
+                                                  max_size=33), st.just(GEN.upper()), NON_STR
+                    ).filter(lambda g: not (isinstance(g, str) and re.fullmatch("[0-9a-f]{32}", g)))
+BAD_KIND = st.one_of(st.text(max_size=10), st.integers(), st.floats(), st.binary(max_size=4),
+                     st.sampled_from(["PREFILL", "verify", "decode "])
+                     ).filter(lambda k: k not in ("prefill", "decode"))
+
+
+def bad_event(events: frozenset[str]) -> st.SearchStrategy[Any]:
+    known = sorted(v1.EVENTS | v2.EVENTS | {"Recovery_requeued"})
+    return st.one_of(st.text(max_size=24), st.sampled_from(known), NON_STR).filter(
+        lambda e: not (isinstance(e, str) and e in events))
+
+
+def bad_int(low: int, high: int) -> st.SearchStrategy[Any]:
+    return st.one_of(NON_INT, st.integers(max_value=low - 1), st.integers(min_value=high + 1),
+                     st.sampled_from([low - 1, high + 1, 2**63, -(2**63), True, False]))
+
+
+DESCENDING = st.tuples(st.integers(0, 99), st.integers(0, 99)).map(sorted).map(lambda p: p[::-1])
+BAD_WORKERS = st.one_of(st.just(()), st.just(list(WORKERS)), st.just(((0, GEN, 1),)),
+                        st.just(([0, GEN],)), DESCENDING.map(lambda p: tuple((r, GEN) for r in p)))
+BAD_ROSTER = st.one_of(st.just(()), st.just([(7, WORKERS)]), st.just(((7,),)),
+                       DESCENDING.map(lambda p: tuple((j, WORKERS) for j in p)),
+                       BAD_WORKERS.map(lambda w: ((7, w),)))
+V2_INTS = {"recovery_epoch": (1, R.MAX_EPOCH), "observed_at_ns": (0, R.MAX_ID),
+           "job_id": (0, R.MAX_ID), "rank": (0, R.MAX_RANK), "block_count": (1, R.MAX_BLOCKS)}
+V1_INTS = {"observed_at_ns": (0, R.MAX_ID), "job_id": (0, R.MAX_ID), "rank": (0, R.MAX_RANK),
+           "recovery_epoch": (1, R.MAX_EPOCH), "block_count": (0, R.MAX_BLOCKS),
+           "bytes_moved": (0, R.MAX_ID), "duration_ns": (0, R.MAX_ID),
+           "dropped_descriptors": (0, R.MAX_ID)}
+
+
+def _pick(draw: Any, *cases: tuple[str, st.SearchStrategy[Any], str]) -> tuple[str, Any, str]:
+    name, values, reason = draw(st.sampled_from(cases))
+    return name, draw(values), reason
+
+
+@st.composite
+def v2_one_bad(draw: Any) -> tuple[Any, str]:
+    """A canonical v2 record with ONE field made invalid, and the reason it must get."""
+    rec = draw(st.sampled_from(V2_CHAIN))
+    ints = [(n, bad_int(*b), R.BAD_NUMBER) for n, b in V2_INTS.items()]
+    needed = [(n, st.none(), R.MISSING_FIELD) for n in R.V2_REQUIRED[rec.event]]
+    name, value, reason = _pick(
+        draw, *ints, *needed, ("event", bad_event(v2.EVENTS), R.UNKNOWN_EVENT),
+        ("scheduler_generation", BAD_GEN, R.BAD_GENERATION),
+        ("worker_generation", BAD_GEN, R.BAD_GENERATION),
+        ("request_id", BAD_REQUEST_ID, R.BAD_REQUEST_ID), ("compute_kind", BAD_KIND, R.BAD_ENUM),
+        ("workers", BAD_WORKERS, R.BAD_ROSTER), ("roster", BAD_ROSTER, R.BAD_ROSTER),
+        ("workers", st.sampled_from(WORKERS_OVER), R.ROSTER_OVER_CAP),
+        ("roster", st.sampled_from(ROSTER_OVER), R.ROSTER_OVER_CAP))
+    return dataclasses.replace(rec, **{name: value}), reason
+
+
+@st.composite
+def v1_one_bad(draw: Any) -> tuple[Any, str]:
+    """A canonical v1 record with ONE field made invalid, and the reason it must get."""
+    rec = draw(st.sampled_from(V1_RECORDS))
+    ints = [(n, bad_int(*b), R.BAD_NUMBER) for n, b in V1_INTS.items()]
+    needed = [(n, st.none(), R.MISSING_FIELD) for n in R.V1_REQUIRED[rec.event]
+              if n not in ("ranks", "job_ids")]  # v1 defaults them to ()
+    enums = [(n, BAD_KIND, R.BAD_ENUM)
+             for n in ("operation", "compute_kind", "reason", "requeue_reason")]
+    name, value, reason = _pick(
+        draw, *ints, *needed, *enums, ("event", bad_event(v1.EVENTS), R.UNKNOWN_EVENT),
+        ("request_id", BAD_REQUEST_ID, R.BAD_REQUEST_ID),
+        ("success", NON_INT.filter(lambda s: not isinstance(s, bool)), R.BAD_NUMBER),
+        ("ranks", DESCENDING.map(tuple), R.BAD_ROSTER),
+        ("ranks", st.just(tuple(range(OVER))), R.ROSTER_OVER_CAP),
+        ("descriptors", st.just(DESCRIPTORS_OVER), R.ROSTER_OVER_CAP))
+    return dataclasses.replace(rec, **{name: value}), reason
+
+
+ANY_VALUE = st.one_of(st.none(), NON_STR, st.text(max_size=8), BAD_REQUEST_ID, BAD_GEN,
+                      st.sampled_from([GEN, 0, 1, 7, "prefill", "h2d_restore", WORKERS, ()]),
+                      BAD_WORKERS, BAD_ROSTER, st.sampled_from(WORKERS_OVER + ROSTER_OVER))
+
+
+@st.composite
+def mutated(draw: Any, records: tuple[Any, ...]) -> Any:
+    """A canonical record with 1..4 fields replaced by anything, valid or not."""
+    rec = draw(st.sampled_from(records))
+    names = draw(st.lists(st.sampled_from([f.name for f in dataclasses.fields(rec)]),
+                          min_size=1, max_size=4, unique=True))
+    return dataclasses.replace(rec, **{n: draw(ANY_VALUE) for n in names})
+
+
+class Hostile:
+    """Reading any field raises (something other than AttributeError)."""
+
+    def __init__(self, exc: type[Exception]) -> None:
+        self.exc = exc
+
+    def __getattr__(self, name: str) -> Any:
+        raise self.exc(name)
+
+
+ANYTHING = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text()
+                        | st.binary(), lambda c: st.lists(c, max_size=3) | st.tuples(c, c)
+                        | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=8)
+FIELDISH = st.dictionaries(st.sampled_from(R.V2_FIELDS + R.V1_FIELDS) | st.text(max_size=8),
+                           ANYTHING, max_size=8)
+JUNK_RECORDS = st.one_of(
+    ANYTHING, FIELDISH, FIELDISH.map(lambda d: SimpleNamespace(**d)),
+    st.sampled_from([ValueError, RuntimeError, KeyError, TypeError]).map(Hostile),
+).filter(lambda r: not claims_known_event(r))
+
+
+def claims_known_event(record: Any) -> bool:
+    """Junk is only guaranteed junk if it does not name a known event."""
+    event = record.get("event") if isinstance(record, dict) else vars(record).get("event") \
+        if isinstance(record, SimpleNamespace) else None
+    return isinstance(event, str) and event in (R.V1_REQUIRED.keys() | R.V2_REQUIRED.keys())
+
+
+def host_refuses_v2(record: Any) -> bool:
+    try:
+        v2.validate_correlated_observation(record)
+    except Exception:  # InvalidObservation, or TypeError on unhashable values
+        return True
+    return False
+
+
+# ------------------------------------------------------------------ pure validation
+def test_canonical_records_are_accepted_unchanged() -> None:
+    for rec in V2_CHAIN:
+        assert R.check_v2(rec) == (dataclasses.asdict(rec), None)
+    for rec in V1_RECORDS:
+        got, reason = R.check_v1(rec)
+        assert reason is None and got["descriptor_count"] == len(rec.descriptors)
+
+
+@PURE
+@given(case=v2_one_bad())
+def test_v2_one_bad_field_is_refused_with_its_reason(case: tuple[Any, str]) -> None:
+    record, reason = case
+    assert R.check_v2(record) == (None, reason)
+    assert R.check_v2(dict(vars(record))) == (None, reason)  # the Mapping (file) form
+
+
+@PURE
+@given(record=mutated(V2_CHAIN))
+def test_v2_never_raises_and_is_at_least_as_strict_as_the_host(record: Any) -> None:
+    got, reason = R.check_v2(record)
+    assert (got is None) != (reason is None)
+    assert got is not None or reason in R.RECORD_REASONS
+    if host_refuses_v2(record):
+        assert got is None, f"host refuses, check_v2 accepted {record!r}"
+
+
+@PURE
+@given(case=v1_one_bad())
+def test_v1_one_bad_field_is_refused_with_its_reason(case: tuple[Any, str]) -> None:
+    record, reason = case
+    assert R.check_v1(record) == (None, reason)
+
+
+@PURE
+@given(record=mutated(V1_RECORDS))
+def test_v1_never_raises_and_reasons_are_known(record: Any) -> None:
+    got, reason = R.check_v1(record)
+    assert (got is None) != (reason is None)
+    assert got is not None or reason in R.RECORD_REASONS
+    if got is not None:
+        assert isinstance(got["descriptor_count"], int) and "descriptors" not in got
+
+
+@PURE
+@given(record=JUNK_RECORDS)
+def test_arbitrary_objects_are_refused_never_raised(record: Any) -> None:
+    for check in (R.check_v2, R.check_v1):
+        got, reason = check(record)
+        assert got is None and reason in R.RECORD_REASONS
+
+
+# ------------------------------------------------------------------ the live adapter
+def install(monkeypatch: pytest.MonkeyPatch, v1_module: ModuleType | None,
+            v2_module: ModuleType | None) -> None:
+    for contract, module in ((contracts.V1, v1_module), (contracts.V2, v2_module)):
+        monkeypatch.setitem(sys.modules, contract.module, module)  # None: import fails
+
+
+@pytest.fixture
+def fork(telemetry: Any) -> Iterator[Any]:
+    v1.reset_kv_transfer_observers()
+    v2.reset_correlated_observers()
+    yield telemetry
+    kvobs_otel.uninstrument()
+    v1.reset_kv_transfer_observers()
+    v2.reset_correlated_observers()
+
+
+@st.composite
+def mixed(draw: Any, chain: tuple[Any, ...], bad: st.SearchStrategy[Any]
+          ) -> tuple[list[Any], int]:
+    """The canonical chain, in order, with malformed records inserted anywhere."""
+    batch = list(chain)
+    malformed = draw(st.lists(bad, min_size=1, max_size=10))
+    for r in malformed:
+        batch.insert(draw(st.integers(0, len(batch))), r)
+    return batch, len(malformed)
+
+
+def feed(telemetry: Any, registry: dict[int, Any], batch: list[Any]) -> list[Any]:
+    telemetry.exporter.clear()
+    telemetry.readers.clear()  # this example's pipeline only
+    assert kvobs_otel.instrument(SETTINGS)
+    try:
+        (entry,) = list(registry.values())  # what the fork would call
+        observer = entry[1] if isinstance(entry, tuple) else entry  # v1: (name, observer)
+        for record in batch:
+            assert observer(record) is None
+    finally:
+        kvobs_otel.uninstrument()  # drains, ends what is open, flushes
+    return spans_from_document(spans_to_otlp_json(telemetry.spans()))
+
+
+def assert_counted_and_joined(telemetry: Any, spans: list[Any], n_bad: int, scope: str) -> None:
+    assert telemetry.metric_total("kvobs.host.refused") == n_bad
+    assert telemetry.metric_total("kvobs.observer.anomalies") == 0
+    assert [(e.request_id, e.epoch, e.outcome, e.join_scope, e.complete)
+            for e in rebuild(spans)] == [(chains.REQUEST_ID, ep, "recovered", scope, True)
+                                         for ep in (1, 2)]
+
+
+def bad_request(records: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    return st.builds(lambda r, rid: dataclasses.replace(r, request_id=rid),
+                     st.sampled_from(records), BAD_REQUEST_ID)
+
+
+V2_BAD = st.one_of(v2_one_bad().map(lambda c: c[0]), mutated(V2_CHAIN).filter(host_refuses_v2),
+                   bad_request(V2_CHAIN), JUNK_RECORDS)
+V1_BAD = st.one_of(v1_one_bad().map(lambda c: c[0]), bad_request(V1_RECORDS), JUNK_RECORDS)
+
+
+@LIVE
+@given(case=mixed(V2_CHAIN, V2_BAD))
+def test_live_v2_counts_every_malformed_record_and_keeps_the_chain(
+        monkeypatch: pytest.MonkeyPatch, fork: Any, case: tuple[list[Any], int]) -> None:
+    install(monkeypatch, v1, v2)
+    spans = feed(fork, v2._observers, case[0])
+    assert_counted_and_joined(fork, spans, case[1], "cluster")
+
+
+@LIVE
+@given(case=mixed(V1_CHAIN, V1_BAD))
+def test_live_v1_counts_every_malformed_record_and_keeps_the_chain(
+        monkeypatch: pytest.MonkeyPatch, fork: Any, case: tuple[list[Any], int]) -> None:
+    install(monkeypatch, v1, None)
+    spans = feed(fork, v1._observers, case[0])
+    assert_counted_and_joined(fork, spans, case[1], "process")
+    assert v1.effective_evidence_requests() == ()  # never asked the host for evidence

@@ -317,3 +317,49 @@ def test_the_three_hosts_give_equivalent_traces(fork, monkeypatch):
     for spans in (stock, ascend, hust):
         episodes = rebuild(file_spans(spans))
         assert episodes and all(e.complete for e in episodes)
+
+
+def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path):
+    """The fork drops observers in a forked child; the plugin runs again in
+    the child (as vLLM loads plugins in each worker) and registers anew. The
+    child's rank exports with its own pid and joins the scheduler's trace."""
+    import multiprocessing
+    import os
+
+    from kvobs_otel.otlp_file import read_spans
+    from kvobs_otel.telemetry.providers import set_export_overrides
+
+    set_export_overrides(None, None)
+    out = tmp_path / "spans.jsonl"
+    for k, v in {"KVOBS_OTEL_TRACES_FILE": str(out), "OTEL_TRACES_EXPORTER": "none",
+                 "OTEL_METRICS_EXPORTER": "none"}.items():
+        monkeypatch.setenv(k, v)
+    v1.reset_kv_transfer_observers()
+    v2.reset_correlated_observers()
+    install(monkeypatch)
+    epoch1 = [e for e in chains.recovery_chain() if e.record.recovery_epoch == 1]
+    in_child = [e for e in epoch1 if e.process.rank == 1]
+    try:
+        assert kvobs_otel.instrument(SETTINGS)
+
+        def child() -> None:
+            assert not v2.correlated_observers_configured()  # dropped by the fork
+            assert kvobs_otel.instrument(SETTINGS)  # the plugin, run in the worker
+            emit(tuple(in_child))
+            kvobs_otel.uninstrument()
+            os._exit(0)
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+        emit(tuple(e for e in epoch1 if e.process.rank != 1))
+    finally:
+        kvobs_otel.uninstrument()
+        v2.reset_correlated_observers()
+    spans = read_spans(str(out))
+    (episode,) = rebuild(spans)
+    assert episode.complete, episode.problems
+    pids = {s.resource["process.pid"] for s in episode.spans
+            if s.resource.get("kvobs.rank") == 1}
+    assert pids == {proc.pid} and proc.pid != os.getpid()

@@ -114,8 +114,24 @@ def send_test_span(timeout_s: float = 5.0) -> Finding:
                    f"{took:.1f} s (unreachable, refused or wrong protocol)")
 
 
+def check_host() -> Finding:
+    """Stock vLLM (patched) or the vLLM-HUST fork (its contracts, if known)."""
+    from kvobs_otel.hosts.hust import contracts
+
+    found = contracts.detect()
+    if not found.present:
+        return Finding("host", OK, "stock vLLM OffloadingConnector (instrumented by patching)")
+    refused = "; ".join(f"{c.key} refused: {detail}" for c, _r, detail in found.refused)
+    chosen = found.chosen
+    if chosen is None:
+        return Finding("host", FAIL, f"vLLM-HUST, no known observer contract ({refused}): "
+                       "observation stays off")
+    detail = f"vLLM-HUST, observing through {chosen.name} (API {chosen.api_version})"
+    return Finding("host", WARN if refused else OK, detail + (f"; {refused}" if refused else ""))
+
+
 def run_doctor(send: bool = True) -> list[Finding]:
-    findings = [check_vllm(), *check_settings(), exporter_settings()]
+    findings = [check_vllm(), check_host(), *check_settings(), exporter_settings()]
     if send:
         findings.append(send_test_span())
     return findings

@@ -363,3 +363,17 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
     pids = {s.resource["process.pid"] for s in episode.spans
             if s.resource.get("kvobs.rank") == 1}
     assert pids == {proc.pid} and proc.pid != os.getpid()
+
+
+def test_doctor_names_the_host_and_its_contract(monkeypatch, fork):
+    from kvobs_otel.doctor import FAIL, OK, WARN, check_host
+
+    f = check_host()
+    assert (f.status, "vllm.kv-transfer.observer.v2" in f.detail) == (OK, True)
+    install(monkeypatch, v2_module=chains.unknown_version_module(v2))
+    f = check_host()
+    assert f.status == WARN and "observer.v1" in f.detail and "v2 refused" in f.detail
+    install(monkeypatch, v1_module=None, v2_module=chains.unknown_version_module(v2))
+    assert check_host().status == FAIL
+    install(monkeypatch, v1_module=None, v2_module=None)
+    assert "stock vLLM" in check_host().detail

@@ -135,7 +135,10 @@ def v1_one_bad(draw: Any) -> tuple[Any, str]:
         ("success", NON_INT.filter(lambda s: not isinstance(s, bool)), R.BAD_NUMBER),
         ("ranks", DESCENDING.map(tuple), R.BAD_ROSTER),
         ("ranks", st.just(tuple(range(OVER))), R.ROSTER_OVER_CAP),
-        ("descriptors", st.just(DESCRIPTORS_OVER), R.ROSTER_OVER_CAP))
+        ("descriptors", st.just(DESCRIPTORS_OVER), R.ROSTER_OVER_CAP),
+        ("descriptors", st.sampled_from([((7,),), (131300,), ((0, 1, 2, 3),)]),
+         R.NOT_A_RECORD),
+        ("descriptors", st.just(((0, 1, -1, 0, 65536),)), R.BAD_NUMBER))
     return dataclasses.replace(rec, **{name: value}), reason
 
 

@@ -169,7 +169,8 @@ def _v2(d: dict[str, Any]) -> dict[str, Any]:
         d["workers"] = _workers(d["workers"])
     if d["roster"] is not None:
         d["roster"] = _roster(d["roster"])
-    if d["compute_kind"] is not None and d["compute_kind"] not in COMPUTE_KINDS:
+    kind = d["compute_kind"]
+    if kind is not None and (not isinstance(kind, str) or kind not in COMPUTE_KINDS):
         raise Refused(BAD_ENUM)
     return d
 
@@ -218,7 +219,7 @@ def _v1(d: dict[str, Any]) -> dict[str, Any]:
         raise Refused(BAD_NUMBER)
     for name, allowed in (("operation", OPERATIONS), ("compute_kind", COMPUTE_KINDS),
                           ("reason", {"host_shutdown"}), ("requeue_reason", {"unclassified"})):
-        if d[name] is not None and d[name] not in allowed:
+        if d[name] is not None and (not isinstance(d[name], str) or d[name] not in allowed):
             raise Refused(BAD_ENUM)
     d["ranks"] = _int_tuple(d["ranks"], 0, MAX_RANK, sorted_unique=True)
     if event == "transfer_receipt" and not d["ranks"]:
@@ -230,6 +231,11 @@ def _v1(d: dict[str, Any]) -> dict[str, Any]:
         raise Refused(NOT_A_RECORD)
     if len(descriptors) > MAX_DESCRIPTORS:
         raise Refused(ROSTER_OVER_CAP)
+    for desc in descriptors:  # (src_region, dst_region, src_offset, dst_offset, size)
+        if not isinstance(desc, tuple) or len(desc) != 5:
+            raise Refused(NOT_A_RECORD)
+        for value in desc:
+            _int(value, 0, MAX_ID)
     d["descriptor_count"] = len(descriptors)
     return d
 

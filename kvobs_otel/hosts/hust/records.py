@@ -118,32 +118,27 @@ def _sequence(value: Any) -> tuple[Any, ...]:
     return value
 
 
-def _workers(value: Any) -> tuple[tuple[int, str], ...]:
+def _pairs(value: Any, key_high: int, check_value: Any) -> tuple[tuple[int, Any], ...]:
+    """A non-empty tuple of (key, value) sorted by key, one entry per key."""
     out = []
     previous = -1
     for entry in _sequence(value):
         if not isinstance(entry, tuple) or len(entry) != 2:
             raise Refused(BAD_ROSTER)
-        rank = _int(entry[0], 0, MAX_RANK)
-        if rank <= previous:  # sorted, one entry per rank
+        key = _int(entry[0], 0, key_high)
+        if key <= previous:
             raise Refused(BAD_ROSTER)
-        previous = rank
-        out.append((rank, _generation(entry[1])))
+        previous = key
+        out.append((key, check_value(entry[1])))
     return tuple(out)
+
+
+def _workers(value: Any) -> tuple[tuple[int, str], ...]:
+    return _pairs(value, MAX_RANK, _generation)  # ((rank, worker_generation), ...)
 
 
 def _roster(value: Any) -> tuple[tuple[int, tuple[tuple[int, str], ...]], ...]:
-    out = []
-    previous = -1
-    for entry in _sequence(value):
-        if not isinstance(entry, tuple) or len(entry) != 2:
-            raise Refused(BAD_ROSTER)
-        job = _int(entry[0], 0, MAX_ID)
-        if job <= previous:  # sorted, one entry per job
-            raise Refused(BAD_ROSTER)
-        previous = job
-        out.append((job, _workers(entry[1])))
-    return tuple(out)
+    return _pairs(value, MAX_ID, _workers)  # ((job_id, workers), ...)
 
 
 def _v2(d: dict[str, Any]) -> dict[str, Any]:

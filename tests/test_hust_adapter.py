@@ -118,6 +118,13 @@ def test_v2_recovery_chain_becomes_one_complete_trace_per_epoch(fork):
     assert {s.resource["kvobs.host.adapter"] for s in file_spans(spans)} == {"vllm-hust"}
     assert {s.resource["kvobs.host.contract"] for s in file_spans(spans)} == {
         "vllm.kv-transfer.observer.v2"}
+    # The same metrics as the stock path, from the same records.
+    m = fork.metric_total
+    assert m("kvobs.recovery.episodes", outcome="recovered") == 2
+    assert m("kvobs.jobs", kind="load", outcome="complete") == 2
+    assert m("kvobs.transfers", direction="h2d", outcome="ok", rank=1) == 2
+    assert m("kvobs.first_compute", compute_kind="decode") == 2
+    assert m("kvobs.receipts.incomplete") == 0 and m("kvobs.host.refused") == 0
 
 
 def test_fork_present_means_no_patching_and_v2_preferred(fork):
@@ -377,3 +384,23 @@ def test_doctor_names_the_host_and_its_contract(monkeypatch, fork):
     assert check_host().status == FAIL
     install(monkeypatch, v1_module=None, v2_module=None)
     assert "stock vLLM" in check_host().detail
+
+
+def test_v2_receipt_missing_a_rank_is_an_error_and_counted(fork):
+    import dataclasses
+
+    chain = list(chains.recovery_chain())
+    i = next(i for i, e in enumerate(chain) if e.record.event == "transfer_receipt"
+             and e.record.recovery_epoch == 2)
+    short = dataclasses.replace(chain[i].record, workers=chain[i].record.workers[:1])
+    chain[i] = chains.Emission(chain[i].process, short)
+    spans = run(tuple(chain), fork)
+    eps = {e.epoch: e for e in rebuild(file_spans(spans))}
+    assert eps[1].complete and not eps[2].complete
+    (job,) = eps[2].named("kv.job")
+    assert job.error and job.attributes["kvobs.receipt.missing_ranks"] == [1]
+    assert eps[2].root.attributes["kvobs.incomplete.job_ids"] == [chains.JOB_IDS[2]]
+    assert fork.metric_total("kvobs.receipts.incomplete", kind="load",
+                             outcome="receipt_incomplete") == 1
+    # The admission roster still named rank 1: the disagreement is counted.
+    assert fork.metric_total("kvobs.observer.anomalies", kind="roster_mismatch") == 1

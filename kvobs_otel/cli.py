@@ -148,6 +148,13 @@ def _import_hust(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             print(f"kvobs-otel import-hust: read {path} ({n} lines)", file=sys.stderr)
 
+    from kvobs_otel.config import ConfigError, request_id_key
+    from kvobs_otel.identity import RequestIdHasher
+
+    try:
+        key = request_id_key(os.environ)
+    except ConfigError as e:
+        return _fail("import-hust", str(e))
     evidence = read_evidence(args.files, progress)
     for path, why in evidence.unreadable:
         print(f"kvobs-otel import-hust: {path}: {why}", file=sys.stderr)
@@ -176,7 +183,7 @@ def _import_hust(args: argparse.Namespace) -> int:
             exporters.append(make_span_exporter())
         return make_providers(attrs, span_exporters=exporters, metrics=False)
 
-    result = import_evidence(evidence, providers)
+    result = import_evidence(evidence, providers, RequestIdHasher(key) if key else None)
     s = summary(evidence, result, args.out, endpoint)
     print(json.dumps(s, indent=2) if args.json else format_summary(s))
     return 1 if (s["refused"] or s["anomalies"] or s["unreadable"]) else 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENV_ENABLED = "KVOBS_OTEL_ENABLED"
 ENV_RECEIPT_DEADLINE = "KVOBS_OTEL_RECEIPT_DEADLINE_S"
@@ -19,6 +19,9 @@ ENV_TRAFFIC_RATIO = "KVOBS_OTEL_TRAFFIC_SAMPLE_RATIO"
 ENV_ROSTER_CAP = "KVOBS_OTEL_ROSTER_CAP"
 ENV_DRAIN_INTERVAL = "KVOBS_OTEL_DRAIN_INTERVAL_S"
 ENV_DEVICE_TYPE = "KVOBS_OTEL_DEVICE_TYPE"
+ENV_REQUEST_ID_KEY = "KVOBS_OTEL_REQUEST_ID_KEY"
+ENV_REQUEST_ID_KEY_FILE = "KVOBS_OTEL_REQUEST_ID_KEY_FILE"
+MIN_KEY_BYTES = 16
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -44,6 +47,9 @@ class Settings:
     drain_interval_s: float = 0.05
     # "auto" asks vLLM's platform; cuda/npu/cpu/xpu force it.
     device_type: str = "auto"
+    # When set, request ids are exported only as a keyed hash (HMAC-SHA256);
+    # every process of a deployment must share the key so traces still join.
+    request_id_key: bytes | None = field(default=None, repr=False)
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -72,6 +78,30 @@ def _number(env: Mapping[str, str], name: str, default: float, kind: type,
     return value
 
 
+def request_id_key(env: Mapping[str, str]) -> bytes | None:
+    raw = env.get(ENV_REQUEST_ID_KEY, "")
+    path = env.get(ENV_REQUEST_ID_KEY_FILE, "").strip()
+    if raw and path:
+        raise ConfigError(f"{ENV_REQUEST_ID_KEY} and {ENV_REQUEST_ID_KEY_FILE} are both set: "
+                          "use one")
+    name = ENV_REQUEST_ID_KEY
+    if path:
+        name = ENV_REQUEST_ID_KEY_FILE
+        try:
+            with open(path, "rb") as fh:
+                key = fh.read().strip()
+        except OSError as e:
+            raise ConfigError(f"{name}={path!r}: cannot read the key ({e.strerror})") from None
+    elif raw:
+        key = raw.strip().encode("utf-8")
+    else:
+        return None
+    if len(key) < MIN_KEY_BYTES:
+        # The value itself is never echoed: it is a secret.
+        raise ConfigError(f"{name}: the key must be at least {MIN_KEY_BYTES} bytes")
+    return key
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read every setting; raise ConfigError on the first bad one."""
     env = os.environ if env is None else env
@@ -86,4 +116,5 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         roster_cap=int(_number(env, ENV_ROSTER_CAP, 64, int, 1, 4096)),
         drain_interval_s=_number(env, ENV_DRAIN_INTERVAL, 0.05, float, 0.001, 10.0),
         device_type=device,
+        request_id_key=request_id_key(env),
     )

@@ -38,10 +38,13 @@ class ImportResult:
 
 
 class _Sink:
-    def __init__(self, spans: SpanBuilder) -> None:
+    def __init__(self, spans: SpanBuilder, pseudonym: Callable[[str], str] | None) -> None:
         self.spans = spans
+        self.pseudonym = pseudonym
 
     def emit(self, record: Any) -> None:
+        if self.pseudonym is not None and getattr(record, "req_id", None) is not None:
+            record.req_id = self.pseudonym(record.req_id)
         self.spans.build(record)
 
 
@@ -60,7 +63,8 @@ def _resource(proc: ProcessEvidence, contract: contracts.Contract, role: str,
 
 
 def _import_process(proc: ProcessEvidence, make_providers: Callable[[dict], Providers],
-                    result: ImportResult) -> list[Providers]:
+                    result: ImportResult, pseudonym: Callable[[str], str] | None
+                    ) -> list[Providers]:
     lines = proc.ordered()
     correlated = any(key == "v2" for key, _ in lines)
     if correlated:
@@ -85,7 +89,7 @@ def _import_process(proc: ProcessEvidence, make_providers: Callable[[dict], Prov
             spans.offset_ns = offset
             # v1 records carry no generation: the process start id is unique per process.
             lc = lifecycle.lifecycle_for(correlated, role[0], role[1], proc.start_id)(
-                _Sink(spans))
+                _Sink(spans, pseudonym))
             entry = made[role] = (lc, spans, providers)
         entry[0].record(d, d["observed_at_ns"])
     for lc, spans, _p in made.values():
@@ -98,12 +102,13 @@ def _import_process(proc: ProcessEvidence, make_providers: Callable[[dict], Prov
     return [p for _lc, _s, p in made.values()]
 
 
-def import_evidence(evidence: Evidence, make_providers: Callable[[dict], Providers]
-                    ) -> ImportResult:
+def import_evidence(evidence: Evidence, make_providers: Callable[[dict], Providers],
+                    pseudonym: Callable[[str], str] | None = None) -> ImportResult:
+    """``pseudonym``: replaces request ids (KVOBS_OTEL_REQUEST_ID_KEY), as live."""
     result = ImportResult()
     all_providers: list[Providers] = []
     for proc in evidence.processes.values():
-        made = _import_process(proc, make_providers, result)
+        made = _import_process(proc, make_providers, result, pseudonym)
         result.processes += bool(made)
         all_providers.extend(made)
     for p in all_providers:

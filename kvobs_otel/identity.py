@@ -14,6 +14,7 @@ each rank place their spans in one trace without a round-trip:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 
 _MASK64 = (1 << 64) - 1
@@ -73,3 +74,29 @@ def traffic_sampled(trace_id: int, ratio: float) -> bool:
     if ratio <= 0.0:
         return False
     return (trace_id & _MASK64) < int(ratio * (_MASK64 + 1))
+
+
+class RequestIdHasher:
+    """Replaces request ids by a keyed hash (HMAC-SHA256, 128 bits, hex).
+
+    Same key, same pseudonym in every process, so the derived trace ids still
+    join; without the key the id cannot be recovered or guessed from a list
+    of candidate ids."""
+
+    PREFIX = "rid-"
+    _CACHE = 65536
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._cache: dict[str, str] = {}
+
+    def __call__(self, req_id: str) -> str:
+        out = self._cache.get(req_id)
+        if out is None:
+            digest = hmac.new(self._key, req_id.encode("utf-8", "surrogatepass"),
+                              hashlib.sha256).hexdigest()
+            out = self.PREFIX + digest[:32]
+            if len(self._cache) >= self._CACHE:
+                self._cache.clear()
+            self._cache[req_id] = out
+        return out

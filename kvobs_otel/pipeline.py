@@ -11,6 +11,7 @@ says which role and rank it is.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from kvobs_otel import identity
 from kvobs_otel.buffer import EventBuffer
 from kvobs_otel.config import Settings
 
@@ -44,19 +46,25 @@ class Observer:
         self.pipeline = pipeline
         self.providers = make_providers(resource_attributes)
         self.spans = SpanBuilder(self.providers, s.traffic_sample_ratio, s.roster_cap)
+        self.pseudonym = (identity.RequestIdHasher(s.request_id_key)
+                          if s.request_id_key else None)
         self.lifecycle = lc = make_lifecycle(self)
-        # Drops and errors are per process: exactly one observer reports them.
+        # Drops, errors and deliveries are per process: the pipeline reports them.
         self.metrics = MetricsBuilder(
             self.providers,
             open_receipts=((lambda: lc.open_receipts) if hasattr(lc, "open_receipts") else None),
-            drops=lambda: pipeline.drop_counts() if pipeline.is_primary(self) else {},
-            errors=lambda: pipeline.error_counts() if pipeline.is_primary(self) else {},
             anomalies=lc.anomalies, refused=getattr(lc, "refusals", None),
             scheduler=(lc.role == "scheduler") if hasattr(lc, "role") else None)
         self.closed = False
 
     # RecordSink
     def emit(self, record: Any) -> None:
+        if self.pseudonym is not None and getattr(record, "req_id", None) is not None:
+            try:
+                record.req_id = self.pseudonym(record.req_id)
+            except Exception:
+                self.pipeline.count_error("span_build")
+                return  # never export the raw id instead
         try:
             self.spans.build(record)
         except Exception:
@@ -91,6 +99,7 @@ class Pipeline:
         self.buffer = EventBuffer(settings.buffer_size)
         self.offer = self.buffer.offer  # the serving path's only call
         self.observers: list[Observer] = []
+        self.process_metrics: Any = None
         self._errors: Counter[str] = Counter(dict.fromkeys(ERROR_STAGES, 0))
         self._logged: set[str] = set()
         # Reentrant: a consumer may register an observer while being drained
@@ -111,20 +120,49 @@ class Pipeline:
                            "further ones are only counted)", stage, exc_info=True)
 
     def error_counts(self) -> dict[str, int]:
-        return dict(self._errors)
+        from kvobs_otel.telemetry import export
+
+        return {**self._errors, **export.STATS.snapshot()[2]}
 
     def drop_counts(self) -> dict[str, int]:
-        return {"buffer_full": self.buffer.dropped_full}
+        """Everything recorded but not delivered, by where it was lost."""
+        from kvobs_otel.telemetry import export
+
+        return {"buffer_full": self.buffer.dropped_full, **export.STATS.snapshot()[1]}
+
+    @staticmethod
+    def exported_spans() -> int:
+        from kvobs_otel.telemetry import export
+
+        return export.STATS.snapshot()[0]
 
     # -- observers -------------------------------------------------------------------
     def register(self, observer: Observer) -> None:
         with self._lock:
             self.observers.append(observer)
+            if self.process_metrics is None:
+                self.process_metrics = self._make_process_metrics()
         self._ensure_thread()
 
-    def is_primary(self, observer: Observer) -> bool:
-        observers = self.observers
-        return bool(observers) and observers[0] is observer
+    def _make_process_metrics(self) -> Any:
+        """One meter for the process as a whole (drops, errors, deliveries):
+        reported once per process, by a resource that lives as long as it."""
+        from kvobs_otel.telemetry.metrics import MetricsBuilder
+        from kvobs_otel.telemetry.providers import make_providers
+
+        providers = make_providers({"kvobs.role": "process"}, traces=False)
+        MetricsBuilder(providers, drops=self.drop_counts, errors=self.error_counts,
+                       exported=lambda: {"spans": self.exported_spans()})
+        return providers
+
+    def close_process_metrics(self) -> None:
+        providers, self.process_metrics = self.process_metrics, None
+        if providers is not None:
+            try:
+                providers.flush()
+                providers.shutdown()
+            except Exception:
+                self.count_error("export_shutdown")
 
     def unregister(self, observer: Observer) -> None:
         with self._lock:
@@ -203,9 +241,18 @@ def close_pipeline() -> None:
         pipeline, _pipeline = _pipeline, None
     if pipeline is None or pipeline._pid != os.getpid():
         return
+    # Every observer's spans out first, so that the process-wide delivery
+    # counts the primary observer exports last are final.
+    pipeline.flush()
+    for observer in list(pipeline.observers):
+        try:
+            observer.providers.tracer_provider.force_flush(10_000)
+        except Exception:
+            pipeline.count_error("export_shutdown")
     for observer in list(pipeline.observers):
         observer.close()
     pipeline.stop()
+    pipeline.close_process_metrics()  # last: the final delivery counts
 
 
 def _after_fork_in_child() -> None:
@@ -219,3 +266,8 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# A clean exit, and SIGTERM where the process turns it into SystemExit (vLLM's
+# engine core and workers do), flush what was recorded. Bounded: each
+# observer's flush and the export stage's shutdown have timeouts.
+atexit.register(close_pipeline)

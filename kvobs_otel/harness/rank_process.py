@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import traceback
 from dataclasses import asdict
 from multiprocessing.connection import Connection
@@ -33,9 +34,17 @@ class RankProcessError(RuntimeError):
     """A rank process failed; carries the child's traceback."""
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _rank_main(conn: Connection, rank: int, env: dict[str, str], payload: bytes) -> None:
     # Environment first: nothing from vLLM is imported yet in a spawned child.
     os.environ.update(env)
+    # As vLLM's WorkerProc: SIGTERM/SIGINT raise SystemExit, so the connector
+    # is shut down (and what was observed flushed) on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     runner = None
     try:
         import torch

@@ -33,12 +33,13 @@ def _in_trace(trace_id: int, span_id: int) -> Context:
 
 
 class MetricsBuilder:
-    def __init__(self, providers: Providers,
+    def __init__(self, providers: Providers, *,
                  open_receipts: Callable[[], int] | None = None,
                  drops: Callable[[], dict[str, int]] | None = None,
                  errors: Callable[[], dict[str, int]] | None = None,
                  anomalies: Callable[[], dict[str, int]] | None = None,
                  refused: Callable[[], dict[str, int]] | None = None,
+                 exported: Callable[[], dict[str, int]] | None = None,
                  scheduler: bool | None = None) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
         self.transfers = m.create_counter(
@@ -85,6 +86,11 @@ class MetricsBuilder:
                 "kvobs.observer.dropped", unit="{event}",
                 description="Observations dropped, by reason",
                 callbacks=[self._by("reason", drops)])
+        if exported is not None:
+            m.create_observable_counter(
+                "kvobs.observer.exported", unit="{span}",
+                description="Spans the exporter delivered (accepted by the endpoint or file)",
+                callbacks=[self._by("signal", exported)])
         if errors is not None:
             m.create_observable_counter(
                 "kvobs.observer.errors", unit="{error}",

@@ -5,7 +5,7 @@ Never the global providers: vLLM sets the global TracerProvider itself when
 variables: ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` (otlp,
 console, none), ``OTEL_EXPORTER_OTLP[_TRACES|_METRICS]_PROTOCOL`` (grpc,
 http/protobuf); endpoint, headers, TLS and timeouts are read by the OTLP
-exporters, batch sizes by the BatchSpanProcessor (``OTEL_BSP_*``).
+exporters, batch sizes by the export stage (``OTEL_BSP_*``, telemetry/export.py).
 """
 
 from __future__ import annotations
@@ -21,11 +21,16 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from kvobs_otel import __version__
+from kvobs_otel.telemetry.export import (
+    CountingMetricExporter,
+    CountingSpanProcessor,
+    batch_settings,
+)
 
 SERVICE_NAME_DEFAULT = "kvobs-otel"
 SCOPE = "kvobs_otel"
@@ -113,7 +118,7 @@ def make_metric_reader() -> MetricReader | None:
         return None
     if choice == "console":
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
-        return PeriodicExportingMetricReader(ConsoleMetricExporter())
+        return PeriodicExportingMetricReader(CountingMetricExporter(ConsoleMetricExporter()))
     if choice != "otlp":
         raise ValueError(f"OTEL_METRICS_EXPORTER={choice!r}: expected otlp, console or none")
     proto = _protocol("METRICS")
@@ -127,7 +132,7 @@ def make_metric_reader() -> MetricReader | None:
         exporter = HTTPMetricExporter()
     else:
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: expected grpc or http/protobuf")
-    return PeriodicExportingMetricReader(exporter)
+    return PeriodicExportingMetricReader(CountingMetricExporter(exporter))
 
 
 def validate_exporter_env() -> None:
@@ -140,6 +145,7 @@ def validate_exporter_env() -> None:
         if _protocol(signal) not in ("grpc", "http/protobuf", "http"):
             raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={_protocol(signal)!r}: "
                              "expected grpc or http/protobuf")
+    batch_settings()
 
 
 def make_resource(attributes: dict[str, Any]) -> Resource:
@@ -173,7 +179,7 @@ class Providers:
 
 def make_providers(resource_attributes: dict[str, Any],
                    span_exporters: list[SpanExporter] | None = None,
-                   metrics: bool = True) -> Providers:
+                   metrics: bool = True, traces: bool = True) -> Providers:
     """Providers exporting as the OTEL_* variables say, or to ``span_exporters``
     (then with metrics only if ``metrics``)."""
     resource = make_resource(resource_attributes)
@@ -181,20 +187,22 @@ def make_providers(resource_attributes: dict[str, Any],
     # Sampling is decided before a span is built (per trace, identically in
     # every process), so the provider itself keeps everything it is given.
     tp = TracerProvider(resource=resource, id_generator=ids, sampler=ALWAYS_ON)
-    if _overrides.span_processor is not None:
+    if not traces:
+        pass
+    elif _overrides.span_processor is not None:
         tp.add_span_processor(_overrides.span_processor())
     elif span_exporters is not None:
         for exporter in span_exporters:
-            tp.add_span_processor(BatchSpanProcessor(exporter))
+            tp.add_span_processor(CountingSpanProcessor(exporter))
     else:
         exporter = make_span_exporter()
         if exporter is not None:
-            tp.add_span_processor(BatchSpanProcessor(exporter))
+            tp.add_span_processor(CountingSpanProcessor(exporter))
         path = os.environ.get(ENV_TRACES_FILE, "").strip()
         if path:
             # Beside (or, with OTEL_TRACES_EXPORTER=none, instead of) OTLP.
             from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
-            tp.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(path)))
+            tp.add_span_processor(CountingSpanProcessor(OtlpJsonFileSpanExporter(path)))
     if not metrics:
         readers: list[MetricReader] = []
     elif _overrides.metric_reader is not None:

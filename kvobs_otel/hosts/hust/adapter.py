@@ -7,7 +7,7 @@ Returning None matters for v1: ``True`` would ask the host to emit its own
 evidence event.
 
 One ``Router`` per process. It owns an observer for the process itself (its
-resource says ``kvobs.role=host``; it exports refusals, drops and errors)
+resource says ``kvobs.role=host``; it exports the refusals)
 and makes one observer per role and rank the first time a record of that
 role arrives, so each rank's spans carry that rank's resource.
 """

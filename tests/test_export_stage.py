@@ -1,0 +1,181 @@
+"""The export stage: bounded, every loss counted and logged once, never raising."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    InMemoryMetricReader,
+    MetricExporter,
+    MetricExportResult,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+import kvobs_otel
+from kvobs_otel.config import Settings
+from kvobs_otel.telemetry import export
+from kvobs_otel.telemetry.export import (
+    BatchSettings,
+    CountingMetricExporter,
+    CountingSpanProcessor,
+    batch_settings,
+)
+
+
+class Exporter(SpanExporter):
+    def __init__(self, result=SpanExportResult.SUCCESS, raises: bool = False,
+                 gate: threading.Event | None = None) -> None:
+        self.result, self.raises, self.gate = result, raises, gate
+        self.spans: list = []
+        self.calls = 0
+
+    def export(self, spans):
+        self.calls += 1
+        if self.gate is not None:
+            self.gate.wait()
+        if self.raises:
+            raise RuntimeError("exporter bug")
+        if self.result == SpanExportResult.SUCCESS:
+            self.spans.extend(spans)
+        return self.result
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats(monkeypatch):
+    monkeypatch.setattr(export, "STATS", export.ExportStats())
+    return export
+
+
+def spans(processor: CountingSpanProcessor, n: int) -> None:
+    tp = TracerProvider()
+    tp.add_span_processor(processor)
+    tracer = tp.get_tracer("t")
+    for i in range(n):
+        tracer.start_span(f"s{i}").end()
+
+
+def small(**kw) -> BatchSettings:
+    return BatchSettings(**{"schedule_delay_s": 0.01, "max_queue_size": 64,
+                            "max_export_batch_size": 16, "export_timeout_s": 2.0, **kw})
+
+
+def test_every_span_delivered_is_counted_once():
+    exp = Exporter()
+    p = CountingSpanProcessor(exp, small(max_queue_size=256))
+    spans(p, 200)
+    assert p.force_flush(5000)
+    p.shutdown()
+    sent, dropped, _ = export.STATS.snapshot()
+    assert sent == len(exp.spans) == 200
+    assert sum(dropped.values()) == 0
+    assert len({s.context.span_id for s in exp.spans}) == 200  # nothing twice
+
+
+def test_full_queue_drops_count_and_log_once(caplog):
+    gate = threading.Event()
+    exp = Exporter(gate=gate)
+    p = CountingSpanProcessor(exp, small())
+    with caplog.at_level(logging.WARNING, logger="kvobs_otel"):
+        spans(p, 500)  # the exporter is stuck: queue 64 (+ one batch in flight)
+    gate.set()
+    p.force_flush(5000)
+    p.shutdown()
+    sent, dropped, _ = export.STATS.snapshot()
+    assert sent + dropped["export_queue_full"] == 500
+    assert dropped["export_queue_full"] >= 500 - 64 - 16
+    assert len([r for r in caplog.records if "export_queue_full" in r.getMessage()]) == 1
+
+
+def test_failing_and_raising_exporters_are_counted_not_raised(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvobs_otel"):
+        p = CountingSpanProcessor(Exporter(result=SpanExportResult.FAILURE), small())
+        spans(p, 40)
+        p.force_flush(5000)
+        q = CountingSpanProcessor(Exporter(raises=True), small())
+        spans(q, 40)
+        q.force_flush(5000)
+        p.shutdown()
+        q.shutdown()
+    sent, dropped, errors = export.STATS.snapshot()
+    assert sent == 0 and dropped["export_failed"] == 80
+    assert errors["exporter"] == 3  # 40 spans in batches of 16
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("export_failed" in m for m in msgs) == 1
+    assert sum("internal failure in exporter" in m for m in msgs) == 1
+
+
+def test_flush_and_shutdown_are_bounded_when_the_exporter_hangs():
+    gate = threading.Event()  # never set: an endpoint that never answers
+    p = CountingSpanProcessor(Exporter(gate=gate), small(export_timeout_s=0.5))
+    spans(p, 40)
+    t0 = time.monotonic()
+    assert p.force_flush(300) is False
+    p.shutdown()
+    assert time.monotonic() - t0 < 3
+    _, dropped, _ = export.STATS.snapshot()
+    assert dropped["export_shutdown"] == 40 - 16  # all but the batch in flight
+    gate.set()
+
+
+def test_batch_settings_from_standard_variables():
+    s = batch_settings({"OTEL_BSP_SCHEDULE_DELAY": "250", "OTEL_BSP_MAX_QUEUE_SIZE": "100",
+                        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "10", "OTEL_BSP_EXPORT_TIMEOUT": "500"})
+    assert s == BatchSettings(0.25, 100, 10, 0.5)
+    assert batch_settings({}) == BatchSettings()
+    for env, name in (({"OTEL_BSP_MAX_QUEUE_SIZE": "many"}, "OTEL_BSP_MAX_QUEUE_SIZE"),
+                      ({"OTEL_BSP_SCHEDULE_DELAY": "0"}, "OTEL_BSP_SCHEDULE_DELAY"),
+                      ({"OTEL_BSP_MAX_QUEUE_SIZE": "5", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "9"},
+                       "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")):
+        with pytest.raises(ValueError, match=name):
+            batch_settings(env)
+
+
+def test_bad_batch_setting_keeps_observation_off(monkeypatch, caplog):
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "-3")
+    with caplog.at_level(logging.ERROR, logger="kvobs_otel"):
+        assert not kvobs_otel.instrument(Settings(enabled=True))
+    assert not kvobs_otel.is_instrumented()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "OTEL_BSP_MAX_QUEUE_SIZE" in line and "stays off" in line
+
+
+class BrokenMetricExporter(MetricExporter):
+    def __init__(self, raises: bool) -> None:
+        super().__init__()
+        self.raises = raises
+
+    def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+        if self.raises:
+            raise RuntimeError("metric exporter bug")
+        return MetricExportResult.FAILURE
+
+    def force_flush(self, timeout_millis=10_000):
+        return True
+
+    def shutdown(self, timeout_millis=30_000, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("raises", [True, False])
+def test_metric_export_failures_are_counted_and_logged_once(caplog, raises):
+    reader = PeriodicExportingMetricReader(CountingMetricExporter(BrokenMetricExporter(raises)),
+                                           export_interval_millis=60_000)
+    mp = MeterProvider(metric_readers=[reader, InMemoryMetricReader()])
+    counter = mp.get_meter("t").create_counter("c")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            counter.add(1)
+            mp.force_flush()
+    mp.shutdown()
+    _, _, errors = export.STATS.snapshot()
+    assert errors["metric_export"] >= 3
+    ours = [r for r in caplog.records if "metric_export" in r.getMessage()]
+    assert len(ours) == 1
+    # The SDK's reader never saw an exception, so it logged no traceback per export.
+    assert not [r for r in caplog.records if r.exc_info and r.name.startswith("opentelemetry")]

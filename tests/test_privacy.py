@@ -1,0 +1,187 @@
+"""The privacy boundary, scanned: no raw address, tensor content, token id or
+block hash in any attribute of any span, event, link, resource or metric the
+real-vLLM CPU harness produces; request ids replaced by a keyed hash when
+configured; bad keys refused at start-up."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import kvobs_otel
+from kvobs_otel.analysis.episodes import rebuild
+from kvobs_otel.config import ConfigError, Settings, load_settings
+from kvobs_otel.harness.engine import Harness, HarnessConfig
+from kvobs_otel.harness.fabricate import random_tokens
+from kvobs_otel.otlp_file import spans_from_document
+from kvobs_otel.pipeline import current_pipeline
+from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
+
+from test_vllm_episodes import start_recovery
+
+# Every attribute key the product may export (spans, events, links, resources,
+# metric points). A new key must be added here on purpose, after asking
+# whether it could carry anything private.
+ALLOWED_KEYS = {
+    "kvobs.request.id", "kvobs.recovery.epoch", "kvobs.outcome", "kvobs.scheduler.generation",
+    "kvobs.worker.generation", "kvobs.rank", "kvobs.job.id", "kvobs.job.kind", "kvobs.job.sync",
+    "kvobs.job.flushed", "kvobs.job.role", "kvobs.blocks", "kvobs.bytes", "kvobs.direction",
+    "kvobs.device.duration_s", "kvobs.expedited", "kvobs.receipt.expected_ranks",
+    "kvobs.receipt.ranks", "kvobs.receipt.missing_ranks", "kvobs.receipt.duplicates",
+    "kvobs.preserve.job_ids", "kvobs.restore.job_ids", "kvobs.admission.roster",
+    "kvobs.compute.kind", "kvobs.first_compute.ranks", "kvobs.first_compute.missing_ranks",
+    "kvobs.incomplete.job_ids", "kvobs.jobs", "kvobs.requeue.reason", "kvobs.link",
+    "kvobs.join.scope", "error.type",
+    # resource
+    "service.name", "service.version", "service.instance.id", "host.name", "process.pid",
+    "kvobs.role", "kvobs.engine.id", "kvobs.tp.rank", "kvobs.pp.rank", "kvobs.dp.rank",
+    "kvobs.device.type", "kvobs.vllm.version", "kvobs.host.adapter",
+    "telemetry.sdk.language", "telemetry.sdk.name", "telemetry.sdk.version",
+    # metric point dimensions
+    "direction", "outcome", "rank", "kind", "clock", "compute_kind", "reason", "stage",
+    "signal",
+}
+
+
+def _values(attrs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    for k, v in attrs.items():
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                yield k, x
+        else:
+            yield k, v
+
+
+def everything(telemetry) -> tuple[list[tuple[str, Any]], list[tuple[str, list]]]:
+    """(key, scalar value) of every attribute exported, and every list value."""
+    scalars: list[tuple[str, Any]] = []
+    lists: list[tuple[str, list]] = []
+    for s in telemetry.spans():
+        groups = [dict(s.attributes), dict(s.resource.attributes)]
+        groups += [dict(e.attributes) for e in s.events]
+        groups += [dict(link.attributes) for link in s.links]
+        for g in groups:
+            scalars.extend(_values(g))
+            lists.extend((k, list(v)) for k, v in g.items() if isinstance(v, (list, tuple)))
+        scalars.append(("<span name>", s.name))
+    for reader in telemetry.readers:
+        data = reader.get_metrics_data()
+        for rm in data.resource_metrics if data else ():
+            scalars.extend(_values(dict(rm.resource.attributes)))
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    for p in m.data.data_points:
+                        scalars.extend(_values(dict(p.attributes)))
+                        for ex in getattr(p, "exemplars", ()) or ():
+                            scalars.extend(_values(dict(ex.filtered_attributes or {})))
+    return scalars, lists
+
+
+def run_recovery(telemetry, prompts: dict[str, list[int]]) -> tuple[set[int], set[bytes]]:
+    """Recovery + ordinary traffic on 2 inline ranks; returns the cache
+    tensors' addresses and every block hash vLLM computed."""
+    hashes: set[bytes] = set()
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        pointers = {t.data_ptr() for r in range(2) for t in h.runner(r).kv_caches.values()}
+        pointers |= {t.untyped_storage().data_ptr() for r in range(2)
+                     for t in h.runner(r).kv_caches.values()}
+        start_recovery(h, "secret-req-a", prompt_len=prompts["secret-req-a"],
+                       trace_headers={"traceparent":
+                                      "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+        h.add_request("secret-req-b", prompts["secret-req-b"], max_tokens=6)
+        while h.has_work():
+            for r in h.scheduler.requests.values():
+                hashes.update(bytes(b) for b in r.block_hashes)
+            h.step()
+    current_pipeline().flush()
+    assert hashes and pointers
+    return pointers, hashes
+
+
+def prompts() -> dict[str, list[int]]:
+    # Token ids large enough not to be confused with ranks, epochs or counts.
+    return {r: [50_000 + t for t in random_tokens(7, r, 80, 10_000)]
+            for r in ("secret-req-a", "secret-req-b")}
+
+
+def test_no_address_token_id_or_block_hash_leaves_the_process(observe):
+    p = prompts()
+    pointers, hashes = run_recovery(observe, p)
+    scalars, lists = everything(observe)
+    assert observe.spans("kv.recovery") and observe.spans("kv.transfer")
+
+    unknown = sorted({k for k, _ in scalars if k not in ALLOWED_KEYS and k != "<span name>"})
+    assert not unknown, f"attribute keys not reviewed for privacy: {unknown}"
+    tokens = {t for toks in p.values() for t in toks}
+    hex_hashes = {h.hex() for h in hashes}
+    hex_pointers = {f"{ptr:x}" for ptr in pointers}
+    for key, value in scalars:
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            assert value not in pointers, (key, value)
+            assert value not in tokens, (key, value)
+            assert value < 1 << 48 or key in ("process.pid",), (key, value)  # no address-sized ints
+        elif isinstance(value, float):
+            assert key == "kvobs.device.duration_s", (key, value)  # no tensor values
+        elif isinstance(value, bytes):
+            pytest.fail(f"bytes exported under {key}")
+        else:
+            text = str(value).lower()
+            assert not any(h in text for h in hex_hashes), (key, value)
+            assert not any(ptr in text for ptr in hex_pointers), (key, value)
+            assert "0x" not in text, (key, value)
+    for key, seq in lists:
+        # Id lists only: short ints, never a run of prompt tokens.
+        assert all(isinstance(x, int) and x not in tokens for x in seq), (key, seq[:8])
+
+
+KEY = b"0123456789abcdef-test-key"
+
+
+def test_keyed_request_ids_hide_the_ids_and_keep_the_joins(telemetry):
+    assert kvobs_otel.instrument(Settings(enabled=True, receipt_deadline_s=1.0,
+                                          drain_interval_s=0.02, request_id_key=KEY))
+    try:
+        run_recovery(telemetry, prompts())
+    finally:
+        kvobs_otel.uninstrument()
+    scalars, _ = everything(telemetry)
+    assert not any("secret-req" in str(v) for _, v in scalars)
+    ids = {v for k, v in scalars if k == "kvobs.request.id"}
+    assert ids and all(v.startswith("rid-") and len(v) == 36 for v in ids)
+    episodes = rebuild(spans_from_document(spans_to_otlp_json(telemetry.spans())))
+    assert episodes and all(e.complete for e in episodes)
+    # The same key gives the same pseudonym in every process (and the CLI).
+    from kvobs_otel.identity import RequestIdHasher
+    assert {e.request_id for e in episodes} == {RequestIdHasher(KEY)("secret-req-a")}
+
+
+def test_request_id_key_settings_are_validated(tmp_path, caplog):
+    f = tmp_path / "key"
+    f.write_bytes(KEY + b"\n")
+    assert load_settings({"KVOBS_OTEL_REQUEST_ID_KEY_FILE": str(f)}).request_id_key == KEY
+    assert load_settings({"KVOBS_OTEL_REQUEST_ID_KEY": KEY.decode()}).request_id_key == KEY
+    assert "0123456789" not in repr(load_settings({"KVOBS_OTEL_REQUEST_ID_KEY": KEY.decode()}))
+    bad = [({"KVOBS_OTEL_REQUEST_ID_KEY": "short"}, "KVOBS_OTEL_REQUEST_ID_KEY:"),
+           ({"KVOBS_OTEL_REQUEST_ID_KEY_FILE": str(tmp_path / "none")},
+            "KVOBS_OTEL_REQUEST_ID_KEY_FILE="),
+           ({"KVOBS_OTEL_REQUEST_ID_KEY_FILE": str(f), "KVOBS_OTEL_REQUEST_ID_KEY": "x" * 20},
+            "both set")]
+    for env, message in bad:
+        with pytest.raises(ConfigError, match=message) as e:
+            load_settings(env)
+        assert "short" not in str(e.value)  # a secret is never echoed
+    with caplog.at_level(logging.ERROR, logger="kvobs_otel"):
+        import os
+        os.environ["KVOBS_OTEL_REQUEST_ID_KEY"] = "short"
+        try:
+            assert not kvobs_otel.instrument(default_enabled=True)
+        finally:
+            del os.environ["KVOBS_OTEL_REQUEST_ID_KEY"]
+    assert not kvobs_otel.is_instrumented()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "KVOBS_OTEL_REQUEST_ID_KEY" in line and "stays off" in line

@@ -147,10 +147,16 @@ class Pipeline:
     def _make_process_metrics(self) -> Any:
         """One meter for the process as a whole (drops, errors, deliveries):
         reported once per process, by a resource that lives as long as it."""
+        import socket
+
         from kvobs_otel.telemetry.metrics import MetricsBuilder
         from kvobs_otel.telemetry.providers import make_providers
 
-        providers = make_providers({"kvobs.role": "process"}, traces=False)
+        # A stable identity: if a connector comes back later in this process,
+        # the counts continue the same series instead of starting a second.
+        providers = make_providers({"kvobs.role": "process", "service.instance.id":
+                                    f"{socket.gethostname()}:{os.getpid()}:process"},
+                                   traces=False)
         MetricsBuilder(providers, drops=self.drop_counts, errors=self.error_counts,
                        exported=lambda: {"spans": self.exported_spans()})
         return providers
@@ -168,6 +174,11 @@ class Pipeline:
         with self._lock:
             if observer in self.observers:
                 self.observers.remove(observer)
+            last = not self.observers
+        if last:
+            # The connector shut down (vLLM's workers may leave through
+            # os._exit, skipping atexit): report the final counts now.
+            self.close_process_metrics()
 
     # -- drain thread ------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -234,6 +245,9 @@ def current_pipeline() -> Pipeline | None:
     return _pipeline
 
 
+CLOSE_TIMEOUT_S = 10.0
+
+
 def close_pipeline() -> None:
     """Flush and close every observer, stop the drain thread (uninstrument)."""
     global _pipeline
@@ -241,16 +255,19 @@ def close_pipeline() -> None:
         pipeline, _pipeline = _pipeline, None
     if pipeline is None or pipeline._pid != os.getpid():
         return
-    # Every observer's spans out first, so that the process-wide delivery
-    # counts the primary observer exports last are final.
+    # Every observer's spans out first, so that the delivery counts the
+    # process meter exports last are final. One deadline for all of it: a
+    # hanging endpoint must not hold a shutting-down process for long.
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
     pipeline.flush()
     for observer in list(pipeline.observers):
         try:
-            observer.providers.tracer_provider.force_flush(10_000)
+            left = max(0.0, deadline - time.monotonic())
+            observer.providers.tracer_provider.force_flush(int(left * 1000))
         except Exception:
             pipeline.count_error("export_shutdown")
     for observer in list(pipeline.observers):
-        observer.close()
+        observer.close(max(0.1, deadline - time.monotonic()))
     pipeline.stop()
     pipeline.close_process_metrics()  # last: the final delivery counts
 

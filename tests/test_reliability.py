@@ -1,0 +1,272 @@
+"""A Collector that is absent, slow, or killed and restarted; rank processes
+started by fork and by spawn, stopped by SIGTERM: vLLM runs on, memory stays
+bounded, every span is either delivered once or counted as lost, and what
+each process says it sent is what the Collector received.
+
+Real parts: the real-vLLM CPU harness, the real OTLP/HTTP exporters, and the
+Collector built by .ci/otel-bins (forwarding to an in-process receiver that
+counts what arrived).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import kvobs_otel
+from kvobs_otel.analysis.episodes import rebuild
+from kvobs_otel.config import Settings
+from kvobs_otel.harness.engine import Harness, HarnessConfig
+from kvobs_otel.harness.workload import pressure_workload
+from kvobs_otel.pipeline import current_pipeline
+from kvobs_otel.telemetry import export
+
+from otel_servers import free_port, poll, start_collector
+from otlp_receiver import HttpReceiver
+
+SETTINGS = Settings(enabled=True, receipt_deadline_s=1.0, drain_interval_s=0.02)
+
+
+@pytest.fixture
+def stats(monkeypatch) -> export.ExportStats:
+    fresh = export.ExportStats()
+    monkeypatch.setattr(export, "STATS", fresh)
+    return fresh
+
+
+def otlp_env(monkeypatch, endpoint: str, **extra: str) -> dict[str, str]:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "300",
+           "OTEL_EXPORTER_OTLP_TIMEOUT": "1", **extra}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+def built_spans() -> int:
+    return sum(o.spans.spans_built for o in current_pipeline().observers)
+
+
+def run_workload(h: Harness, prefix: str, n: int | None = None) -> None:
+    pressure_workload(h, prefix=prefix, num_requests=n)
+    h.run_until_idle(2000)
+
+
+def test_collector_absent_for_the_whole_run(monkeypatch, stats, caplog):
+    otlp_env(monkeypatch, f"http://127.0.0.1:{free_port()}")  # nobody listens
+    assert kvobs_otel.instrument(SETTINGS)
+    with caplog.at_level(logging.WARNING, logger="kvobs_otel"), \
+            Harness(HarnessConfig(num_ranks=2)) as h:
+        run_workload(h, "absent")
+        current_pipeline().flush()
+        built = built_spans()
+        t0 = time.monotonic()
+        kvobs_otel.uninstrument()
+        closing = time.monotonic() - t0
+    sent, dropped, errors = stats.snapshot()
+    assert built > 20 and sent == 0
+    # Every span is accounted for: lost, and counted as lost.
+    assert dropped["export_failed"] + dropped["export_shutdown"] + dropped[
+        "export_queue_full"] == built
+    assert errors["metric_export"] > 0  # metrics could not go either
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("not delivered (export_failed)" in m for m in lines) == 1
+    assert sum("metric_export" in m for m in lines) == 1
+    assert closing < 30, closing  # shutdown stays bounded
+
+
+class SilentServer:
+    """Accepts TCP connections and never answers (a hung Collector)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_slow_collector_never_answers(monkeypatch, stats):
+    silent = SilentServer()
+    otlp_env(monkeypatch, f"http://127.0.0.1:{silent.port}",
+             OTEL_BSP_MAX_QUEUE_SIZE="16", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="4")
+    try:
+        assert kvobs_otel.instrument(SETTINGS)
+        with Harness(HarnessConfig(num_ranks=2)) as h:
+            run_workload(h, "slow")
+            steps = len(h.outputs)
+            current_pipeline().flush()
+            built = built_spans()
+            # Bounded memory: the export queue never exceeds its bound.
+            for o in current_pipeline().observers:
+                for p in o.providers.tracer_provider._active_span_processor._span_processors:
+                    assert len(p._queue) <= 16
+            t0 = time.monotonic()
+            kvobs_otel.uninstrument()
+            closing = time.monotonic() - t0
+    finally:
+        silent.close()
+    sent, dropped, _ = stats.snapshot()
+    assert steps > 0 and silent.conns  # vLLM ran; the exporter did connect
+    assert sent == 0 and sum(dropped.values()) == built
+    assert dropped["export_queue_full"] > 0  # the queue bound held under pressure
+    assert closing < 30, closing
+
+
+COLLECTOR = """
+extensions:
+  health_check: {{endpoint: "127.0.0.1:{health}"}}
+receivers:
+  otlp:
+    protocols:
+      http: {{endpoint: "127.0.0.1:{port}"}}
+exporters:
+  otlphttp:
+    endpoint: "{downstream}"
+    compression: none
+service:
+  extensions: [health_check]
+  telemetry:
+    metrics: {{level: none}}
+  pipelines:
+    traces: {{receivers: [otlp], exporters: [otlphttp]}}
+    metrics: {{receivers: [otlp], exporters: [otlphttp]}}
+"""
+
+
+def collector(tmp_path: Path, port: int, downstream: str):
+    health = free_port()
+    cfg = tmp_path / f"collector-{port}-{health}.yaml"
+    cfg.write_text(COLLECTOR.format(port=port, health=health, downstream=downstream))
+    return start_collector(cfg, ready_url=f"http://127.0.0.1:{health}/")
+
+
+def received_ids(rx: HttpReceiver) -> list[tuple[str, str]]:
+    with rx.store.lock:
+        return [(s.trace_id, s.span_id) for s in rx.store.spans]
+
+
+def metric_values(rx: HttpReceiver, name: str, **match: str) -> list[tuple[str, float]]:
+    """(service.instance.id, value) of every point of ``name`` received."""
+    out = []
+    with rx.store.lock:
+        requests = list(rx.store.metric_requests)
+    for req in requests:
+        for rm in req.resource_metrics:
+            res = {a.key: a.value.string_value for a in rm.resource.attributes}
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name != name:
+                        continue
+                    for p in m.sum.data_points:
+                        attrs = {a.key: a.value.string_value for a in p.attributes}
+                        if all(attrs.get(k) == v for k, v in match.items()):
+                            out.append((res.get("service.instance.id", ""), p.as_int))
+    return out
+
+
+def latest_total(rx: HttpReceiver, name: str, **match: str) -> int:
+    """Sum over processes of the last (cumulative) value each reported."""
+    last: dict[str, float] = {}
+    for inst, v in metric_values(rx, name, **match):
+        last[inst] = v
+    return int(sum(last.values()))
+
+
+def test_collector_killed_and_restarted_mid_run(monkeypatch, stats, tmp_path):
+    with HttpReceiver() as rx:
+        port = free_port()
+        otlp_env(monkeypatch, f"http://127.0.0.1:{port}")
+        col = collector(tmp_path, port, rx.endpoint)
+        assert kvobs_otel.instrument(SETTINGS)
+        try:
+            with Harness(HarnessConfig(num_ranks=2)) as h:
+                run_workload(h, "before", 4)
+                current_pipeline().flush()
+                poll(lambda: stats.snapshot()[0] > 0 and len(received_ids(rx))
+                     == stats.snapshot()[0], timeout=30)
+                col.proc.kill()  # a crash, not a clean stop
+                col.proc.wait(10)
+                run_workload(h, "down", 4)
+                current_pipeline().flush()
+                poll(lambda: stats.snapshot()[1]["export_failed"] > 0, timeout=30)
+                col = collector(tmp_path, port, rx.endpoint)
+                run_workload(h, "after", 4)
+            kvobs_otel.uninstrument()
+            sent, dropped, _ = stats.snapshot()
+            poll(lambda: len(received_ids(rx)) >= sent, timeout=30)
+            # The loss reached the Collector once it was back.
+            poll(lambda: latest_total(rx, "kvobs.observer.dropped", reason="export_failed")
+                 == dropped["export_failed"], timeout=30)
+        finally:
+            kvobs_otel.uninstrument()
+            col.stop()
+        ids = received_ids(rx)
+    assert len(ids) == len(set(ids)) == sent  # every delivered span once, nothing twice
+    assert dropped["export_failed"] > 0
+    assert latest_total(rx, "kvobs.observer.exported", signal="spans") == sent
+    names = {(s.name, s.attributes.get("kvobs.request.id", "")[:5]) for s in rx.store.spans}
+    assert ("kv.request", "after") in names and ("kv.request", "befor") in names
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_rank_processes_flush_on_sigterm_sent_equals_received(
+        monkeypatch, stats, tmp_path, start_method):
+    with HttpReceiver() as rx:
+        port = free_port()
+        env = otlp_env(monkeypatch, f"http://127.0.0.1:{port}", KVOBS_OTEL_ENABLED="1",
+                       OTEL_BSP_SCHEDULE_DELAY="60000")  # nothing leaves before the end
+        col = collector(tmp_path, port, rx.endpoint)
+        assert kvobs_otel.instrument(SETTINGS)
+        try:
+            cfg = HarnessConfig(num_ranks=2, rank_mode="process", start_method=start_method,
+                                extra_env=env)
+            with Harness(cfg) as h:
+                run_workload(h, "term", 3)
+                pids = [r.process.pid for r in h.ranks]
+                for pid in pids:  # as the executor does on shutdown
+                    os.kill(pid, signal.SIGTERM)
+                for r in h.ranks:
+                    r.process.join(30)
+                codes = [r.process.exitcode for r in h.ranks]
+            kvobs_otel.uninstrument()
+            # Each process reports what it delivered; the Collector passes it on.
+            poll(lambda: {i for i, _ in metric_values(rx, "kvobs.observer.exported")} and
+                 latest_total(rx, "kvobs.observer.exported", signal="spans")
+                 == len(received_ids(rx)) > 0, timeout=30)
+        finally:
+            kvobs_otel.uninstrument()
+            col.stop()
+        spans = list(rx.store.spans)
+    # SIGTERM became SystemExit: the rank shut its connector down and exited cleanly.
+    assert codes == [0, 0]
+    senders = {i for i, _ in metric_values(rx, "kvobs.observer.exported")}
+    assert len(senders) == 3, (senders, os.getpid(), pids)  # the scheduler process and both ranks
+    ids = [(s.trace_id, s.span_id) for s in spans]
+    assert len(ids) == len(set(ids))
+    rank_pids = {s.resource.get("process.pid") for s in spans
+                 if s.resource.get("kvobs.role") == "worker"}
+    assert rank_pids == set(pids)  # each rank exported under its own identity
+    episodes = rebuild(spans)
+    assert episodes and all(e.complete for e in episodes), [e.problems for e in episodes]

@@ -13,6 +13,7 @@ each rank place their spans in one trace without a round-trip:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -38,12 +39,14 @@ def _nonzero(value: int) -> int:
     return value or 1
 
 
+@functools.lru_cache(maxsize=16384)  # the same keys recur for every span
 def episode_ids(sched_gen: str, req_id: str, epoch: int) -> tuple[int, int]:
     """(trace id, root span id) of a recovery episode."""
     d = _digest("episode", sched_gen, req_id, epoch)
     return _nonzero(int.from_bytes(d[:16], "big")), _nonzero(int.from_bytes(d[16:24], "big"))
 
 
+@functools.lru_cache(maxsize=16384)  # the same keys recur for every span
 def request_ids(sched_gen: str, req_id: str) -> tuple[int, int]:
     """(trace id, root span id) of a request's ordinary offload traffic."""
     d = _digest("request", sched_gen, req_id)
@@ -56,10 +59,12 @@ def trace_id(sched_gen: str, req_id: str, epoch: int) -> int:
             else request_ids(sched_gen, req_id))[0]
 
 
+@functools.lru_cache(maxsize=16384)  # the same keys recur for every span
 def job_span_id(sched_gen: str, job_id: int) -> int:
     return _nonzero(int.from_bytes(_digest("job", sched_gen, job_id)[:8], "big"))
 
 
+@functools.lru_cache(maxsize=16384)  # the same keys recur for every span
 def admission_span_id(sched_gen: str, req_id: str, epoch: int) -> int:
     return _nonzero(int.from_bytes(_digest("admission", sched_gen, req_id, epoch)[:8], "big"))
 

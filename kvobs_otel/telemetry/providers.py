@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +19,8 @@ from typing import Any
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from kvobs_otel import __version__
@@ -34,36 +32,6 @@ from kvobs_otel.telemetry.export import (
 
 SERVICE_NAME_DEFAULT = "kvobs-otel"
 SCOPE = "kvobs_otel"
-
-
-class ConfigurableIdGenerator(IdGenerator):
-    """Random ids, except where the span builder primes derived ones.
-
-    Spans are built on one drain thread per process, but the SDK could call
-    this from elsewhere, so the primed ids are thread-local.
-    """
-
-    def __init__(self) -> None:
-        self._random = RandomIdGenerator()
-        self._local = threading.local()
-
-    def prime(self, trace_id: int | None, span_id: int | None) -> None:
-        self._local.trace_id = trace_id
-        self._local.span_id = span_id
-
-    def generate_span_id(self) -> int:
-        sid = getattr(self._local, "span_id", None)
-        if sid is not None:
-            self._local.span_id = None
-            return sid
-        return self._random.generate_span_id()
-
-    def generate_trace_id(self) -> int:
-        tid = getattr(self._local, "trace_id", None)
-        if tid is not None:
-            self._local.trace_id = None
-            return tid
-        return self._random.generate_trace_id()
 
 
 @dataclass
@@ -101,14 +69,12 @@ def make_span_exporter() -> SpanExporter | None:
     if choice != "otlp":
         raise ValueError(f"OTEL_TRACES_EXPORTER={choice!r}: expected otlp, console or none")
     proto = _protocol("TRACES")
+    from kvobs_otel.telemetry import exporters
+
     if proto == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        return OTLPSpanExporter()
+        return exporters.grpc_span_exporter()
     if proto in ("http/protobuf", "http"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter as HTTPSpanExporter,
-        )
-        return HTTPSpanExporter()
+        return exporters.http_span_exporter()
     raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: expected grpc or http/protobuf")
 
 
@@ -166,7 +132,8 @@ def make_resource(attributes: dict[str, Any]) -> Resource:
 class Providers:
     tracer_provider: TracerProvider
     meter_provider: MeterProvider
-    ids: ConfigurableIdGenerator
+    spans: SpanProcessor  # where finished spans go (every processor of the provider)
+    resource: Resource
 
     def flush(self, timeout_ms: int = 10000) -> None:
         self.tracer_provider.force_flush(timeout_ms)
@@ -183,10 +150,12 @@ def make_providers(resource_attributes: dict[str, Any],
     """Providers exporting as the OTEL_* variables say, or to ``span_exporters``
     (then with metrics only if ``metrics``)."""
     resource = make_resource(resource_attributes)
-    ids = ConfigurableIdGenerator()
     # Sampling is decided before a span is built (per trace, identically in
-    # every process), so the provider itself keeps everything it is given.
-    tp = TracerProvider(resource=resource, id_generator=ids, sampler=ALWAYS_ON)
+    # every process); spans are handed to ``spans`` directly (telemetry/spans.py).
+    # Shut down by the pipeline (bounded), not by the SDK's own exit hook.
+    spans = SynchronousMultiSpanProcessor()
+    tp = TracerProvider(resource=resource, sampler=ALWAYS_ON, active_span_processor=spans,
+                        shutdown_on_exit=False)
     if not traces:
         pass
     elif _overrides.span_processor is not None:
@@ -210,5 +179,5 @@ def make_providers(resource_attributes: dict[str, Any],
     else:
         reader = make_metric_reader()
         readers = [reader] if reader is not None else []
-    mp = MeterProvider(resource=resource, metric_readers=readers)
-    return Providers(tp, mp, ids)
+    mp = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
+    return Providers(tp, mp, spans, resource)

@@ -14,13 +14,15 @@ trace id comes from (scheduler generation, request id).
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
-from opentelemetry import trace
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from kvobs_otel import identity
+from kvobs_otel import __version__, identity
 from kvobs_otel.lifecycle import records as rec
 from kvobs_otel.telemetry import attributes as A
 from kvobs_otel.telemetry.providers import SCOPE, Providers
@@ -44,15 +46,27 @@ def parse_traceparent(value: str | None) -> SpanContext | None:
     return SpanContext(tid, sid, is_remote=True, trace_flags=TraceFlags(flags))
 
 
-def _parent(trace_id: int, span_id: int) -> Any:
-    return trace.set_span_in_context(trace.NonRecordingSpan(
-        SpanContext(trace_id, span_id, is_remote=True, trace_flags=_SAMPLED)))
+_UNSET = Status(StatusCode.UNSET)
+_random_bits = random.getrandbits  # as the SDK's RandomIdGenerator
+
+
+def _parent(trace_id: int, span_id: int) -> SpanContext:
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=_SAMPLED)
+
+
+def _random_id(bits: int) -> int:
+    return _random_bits(bits) or 1
 
 
 class SpanBuilder:
+    """Finished spans are built directly as the SDK's ``ReadableSpan`` (every
+    id and timestamp is known already) and handed to the export stage: the
+    tracer API would only add per-span cost (context, sampler, locks)."""
+
     def __init__(self, providers: Providers, traffic_ratio: float, roster_cap: int) -> None:
-        self.tracer = providers.tracer_provider.get_tracer(SCOPE)
-        self.ids = providers.ids
+        self.sink = providers.spans
+        self.resource = providers.resource
+        self.scope = InstrumentationScope(SCOPE, __version__)
         self.ratio = traffic_ratio
         self.cap = roster_cap
         # monotonic -> wall clock, once per process (explicit span timestamps)
@@ -66,20 +80,25 @@ class SpanBuilder:
         if len(values) > self.cap:
             attrs[key + A.LIST_DROPPED_SUFFIX] = len(values) - self.cap
 
-    def _span(self, name: str, parent: Any, start_ns: int, end_ns: int,
+    def _span(self, name: str, parent: SpanContext | None, start_ns: int, end_ns: int,
               attrs: dict[str, Any], *, trace_id: int | None = None, span_id: int | None = None,
               error: str | None = None, links: list[Link] | None = None,
               events: list[rec.EpisodeEvent] | None = None) -> None:
-        self.ids.prime(trace_id, span_id)
-        span = self.tracer.start_span(
-            name, context=parent, kind=SpanKind.INTERNAL, attributes=attrs,
-            links=links, start_time=start_ns + self.offset_ns)
-        for e in events or ():
-            span.add_event(e.name, e.attributes, timestamp=e.t_ns + self.offset_ns)
+        tid = parent.trace_id if parent is not None else trace_id or _random_id(128)
+        status = _UNSET
         if error is not None:
-            span.set_attribute(A.ERROR_TYPE, error)
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=max(end_ns, start_ns) + self.offset_ns)
+            attrs[A.ERROR_TYPE] = error
+            status = Status(StatusCode.ERROR, error)
+        off = self.offset_ns
+        span = ReadableSpan(
+            name, SpanContext(tid, span_id or _random_id(64), is_remote=False,
+                              trace_flags=_SAMPLED),
+            parent, self.resource, {k: v for k, v in attrs.items() if v is not None},
+            events=tuple(Event(e.name, e.attributes, e.t_ns + off) for e in events or ()),
+            links=tuple(links or ()), kind=SpanKind.INTERNAL, status=status,
+            start_time=start_ns + off, end_time=max(end_ns, start_ns) + off,
+            instrumentation_scope=self.scope)
+        self.sink.on_end(span)
         self.spans_built += 1
 
     def _traffic_parent(self, sched_gen: str, req_id: str) -> Any | None:

@@ -22,6 +22,7 @@ API::
     s = start_prometheus(config_path, tsdb_dir, port)
     s.stop(); s.log_text(); s.alive(); with s: ...
     validate_collector_config(config_path, env)     # `otelcol validate`, raises on error
+    pki = make_pki(tmp_dir)                         # openssl: CA, server/client certs, wrong CA
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import contextlib
 import functools
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,3 +286,96 @@ def start_prometheus(config_path: str | os.PathLike[str], tsdb_dir: str | os.Pat
     return start_process("prometheus", argv, None,
                          ready_url=f"http://127.0.0.1:{port}/-/ready",
                          timeout=timeout, log_dir=log_dir)
+
+
+# -- TLS material (made with the openssl CLI at test time) -------------------------
+# Everything is generated into a directory the test owns (a pytest tmp dir): no
+# key is ever stored in the repository. Keys are EC P-256 (fast to make),
+# certificates are valid for two days.
+_PKI_CNF = """\
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+CN = unused
+[ca_ext]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+[server_ext]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1, DNS:localhost
+authorityKeyIdentifier = keyid
+subjectKeyIdentifier = hash
+[client_ext]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = clientAuth
+authorityKeyIdentifier = keyid
+subjectKeyIdentifier = hash
+"""
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path                   # the CA the Collector and the exporters trust
+    server_cert: Path          # for 127.0.0.1 and localhost (SAN), signed by ``ca``
+    server_key: Path
+    client_cert: Path          # clientAuth, signed by ``ca``
+    client_key: Path
+    wrong_ca: Path             # an unrelated CA
+    wrong_client_cert: Path    # clientAuth, signed by ``wrong_ca``
+    wrong_client_key: Path
+
+
+def openssl_available() -> bool:
+    return shutil.which("openssl") is not None
+
+
+def _openssl(*args: str | Path, cwd: Path) -> None:
+    proc = subprocess.run(["openssl", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(map(str, args))} failed:\n{proc.stderr}")
+
+
+def _pki_ca(d: Path, name: str, cnf: Path) -> tuple[Path, Path]:
+    cert, key = d / f"{name}.pem", d / f"{name}.key"
+    _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-sha256",
+             "-subj", f"/CN=kvobs-otel test {name}", "-config", cnf, "-extensions", "ca_ext",
+             cwd=d)
+    return cert, key
+
+
+def _pki_leaf(d: Path, name: str, cn: str, ext: str, ca: tuple[Path, Path],
+              cnf: Path) -> tuple[Path, Path]:
+    cert, key, csr = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr"
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", key, "-out", csr, "-subj", f"/CN={cn}", "-config", cnf, cwd=d)
+    _openssl("x509", "-req", "-in", csr, "-CA", ca[0], "-CAkey", ca[1], "-set_serial",
+             str(secrets.randbits(63) | 1), "-days", "2", "-sha256",
+             "-extfile", cnf, "-extensions", ext, "-out", cert, cwd=d)
+    csr.unlink()
+    return cert, key
+
+
+def make_pki(directory: str | Path) -> Pki:
+    """A CA, a server and a client certificate it signed, and an unrelated CA with
+    a client certificate of its own, all as PEM files in ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cnf = d / "openssl.cnf"
+    cnf.write_text(_PKI_CNF)
+    ca = _pki_ca(d, "ca", cnf)
+    server = _pki_leaf(d, "server", "127.0.0.1", "server_ext", ca, cnf)
+    client = _pki_leaf(d, "client", "kvobs-otel client", "client_ext", ca, cnf)
+    wrong = _pki_ca(d, "wrong-ca", cnf)
+    wrong_client = _pki_leaf(d, "wrong-client", "kvobs-otel client", "client_ext", wrong, cnf)
+    for key in d.glob("*.key"):
+        key.chmod(0o600)
+    return Pki(ca=ca[0], server_cert=server[0], server_key=server[1], client_cert=client[0],
+               client_key=client[1], wrong_ca=wrong[0], wrong_client_cert=wrong_client[0],
+               wrong_client_key=wrong_client[1])

@@ -5,7 +5,8 @@
 #
 # Output: stdout gets exactly two lines,
 #   JAEGER=/abs/path/jaeger-v1.76.0
-#   OTELCOL=/abs/path/otelcol-kvobs-v0.161.0
+#   OTELCOL=/abs/path/otelcol-kvobs-v0.161.0-<key>
+# where <key> is the first 12 hex digits of sha256(otelcol/components.go + otelcol/go.mod).
 # Progress goes to stderr. On failure: non-zero exit and the tail of the build log.
 #
 # Everything (binaries, GOPATH, module cache, build cache, logs) lives under
@@ -28,7 +29,13 @@ OTELCOL_RELEASE="v0.161.0"        # core v0.161.0 + v1.67.0, contrib v0.161.0 (o
 BIN_DIR="$CACHE/bin"
 LOG_DIR="$CACHE/logs"
 JAEGER_BIN="$BIN_DIR/jaeger-$JAEGER_VERSION"
-OTELCOL_BIN="$BIN_DIR/otelcol-kvobs-$OTELCOL_RELEASE"
+# The Collector's component set is part of its name: a short hash of
+# components.go + go.mod. Adding or removing a component gives a new path, so
+# every machine builds it once, a binary already exported in KVOBS_OTELCOL_BIN
+# (or running) is never swapped underneath, and a stale exported path no longer
+# matches what this script prints. (The .stamp below still covers every input.)
+OTELCOL_KEY="$(cat "$HERE/otelcol/components.go" "$HERE/otelcol/go.mod" | sha256sum | cut -c1-12)"
+OTELCOL_BIN="$BIN_DIR/otelcol-kvobs-$OTELCOL_RELEASE-$OTELCOL_KEY"
 
 log() { printf '[otel-bins] %s\n' "$*" >&2; }
 
@@ -100,7 +107,7 @@ build_one "jaeger-$JAEGER_VERSION" "$HERE/jaeger" "$JAEGER_BIN" \
   github.com/jaegertracing/jaeger/cmd/jaeger \
   "$LDFLAGS_COMMON -X github.com/jaegertracing/jaeger/internal/version.latestVersion=$JAEGER_VERSION"
 
-build_one "otelcol-kvobs-$OTELCOL_RELEASE" "$HERE/otelcol" "$OTELCOL_BIN" \
+build_one "otelcol-kvobs-$OTELCOL_RELEASE-$OTELCOL_KEY" "$HERE/otelcol" "$OTELCOL_BIN" \
   . \
   "$LDFLAGS_COMMON -X main.version=$OTELCOL_RELEASE"
 

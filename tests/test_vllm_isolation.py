@@ -174,3 +174,76 @@ def test_older_vllm_is_refused_with_one_clear_error(monkeypatch, caplog):
         assert kvobs_otel.instrument(Settings(enabled=True)) is False
     assert not kvobs_otel.is_instrumented()
     assert "0.30.1" in caplog.records[-1].getMessage()
+
+
+class _RaisingSpanExporter:
+    def export(self, spans):
+        raise RuntimeError("injected exporter failure")
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stage", ["buffer", "exporter", "metric_export"])
+def test_export_side_failures_never_reach_vllm_counted_and_logged_once(
+        stock, monkeypatch, caplog, stage):
+    """The serving buffer, the span exporter and the metric exporter, each
+    broken for the whole run of the real scheduler + connector."""
+    from opentelemetry.sdk.metrics.export import (
+        InMemoryMetricReader,
+        MetricExporter,
+        PeriodicExportingMetricReader,
+    )
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvobs_otel.buffer import EventBuffer
+    from kvobs_otel.telemetry import export
+    from kvobs_otel.telemetry.providers import set_export_overrides
+
+    monkeypatch.setattr(export, "STATS", export.ExportStats())
+
+    class RaisingMetricExporter(MetricExporter):
+        def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+            raise RuntimeError("injected metric export failure")
+
+        def force_flush(self, timeout_millis=10_000):
+            return True
+
+        def shutdown(self, timeout_millis=30_000, **kwargs):
+            pass
+
+    spans = lambda: SimpleSpanProcessor(InMemorySpanExporter())  # noqa: E731
+    metrics = InMemoryMetricReader
+    if stage == "buffer":
+        def boom(*_a, **_k):
+            raise RuntimeError("injected buffer failure")
+        monkeypatch.setattr(EventBuffer, "offer", boom)
+    elif stage == "exporter":
+        spans = lambda: export.CountingSpanProcessor(  # noqa: E731
+            _RaisingSpanExporter(), export.BatchSettings(0.01, 256, 16, 1.0))
+    else:
+        metrics = lambda: PeriodicExportingMetricReader(  # noqa: E731
+            export.CountingMetricExporter(RaisingMetricExporter()), export_interval_millis=50)
+    set_export_overrides(span_processor=spans, metric_reader=metrics)
+    try:
+        assert kvobs_otel.instrument(Settings(enabled=True, drain_interval_s=0.02))
+        with caplog.at_level(logging.WARNING):
+            assert decisions(EXPLICIT) == stock
+            errors = current_pipeline().error_counts()
+            kvobs_otel.uninstrument()
+    finally:
+        kvobs_otel.uninstrument()
+        set_export_overrides(None, None)
+    counted = {"buffer": "seam"}.get(stage, stage)  # the buffer is part of the seam's step
+    assert errors[counted] > 1 if stage != "exporter" else export.STATS.errors["exporter"] > 1
+    ours = [r for r in caplog.records if f"internal failure in {counted}" in r.getMessage()]
+    assert len(ours) == 1
+    # Every traceback logged is a first one for its stage: nothing per failure
+    # (not the SDK's reader, not the seams).
+    from collections import Counter
+    per_message = Counter(r.getMessage() for r in caplog.records if r.exc_info)
+    assert per_message and max(per_message.values()) == 1, per_message

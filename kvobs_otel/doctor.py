@@ -130,8 +130,26 @@ def check_host() -> Finding:
     return Finding("host", WARN if refused else OK, detail + (f"; {refused}" if refused else ""))
 
 
+def check_tls() -> Finding | None:
+    """With http/protobuf, ``requests`` lets REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE win
+    over OTEL_EXPORTER_OTLP_CERTIFICATE: say so before exports fail."""
+    from kvobs_otel.telemetry.providers import _protocol
+
+    ca = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE")
+          or os.environ.get("OTEL_EXPORTER_OTLP_CERTIFICATE"))
+    bundle = [v for v in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE") if os.environ.get(v)]
+    if not ca or not bundle or _protocol("TRACES") == "grpc":
+        return None
+    return Finding("tls", WARN, f"{' and '.join(bundle)} set: with http/protobuf it takes "
+                   "precedence over OTEL_EXPORTER_OTLP_CERTIFICATE; unset it for this process "
+                   "or add the Collector's CA to that bundle")
+
+
 def run_doctor(send: bool = True) -> list[Finding]:
     findings = [check_vllm(), check_host(), *check_settings(), exporter_settings()]
+    tls = check_tls()
+    if tls is not None:
+        findings.append(tls)
     if send:
         findings.append(send_test_span())
     return findings

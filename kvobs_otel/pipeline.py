@@ -87,7 +87,7 @@ class Observer:
         self.pipeline.flush()
         try:
             self.providers.flush(int(timeout_s * 1000))
-            self.providers.shutdown()
+            self.providers.shutdown(int(timeout_s * 1000))
         except Exception:
             self.pipeline.count_error("export_shutdown")
         self.pipeline.unregister(self)

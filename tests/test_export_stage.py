@@ -149,8 +149,10 @@ class BrokenMetricExporter(MetricExporter):
     def __init__(self, raises: bool) -> None:
         super().__init__()
         self.raises = raises
+        self.calls = 0
 
     def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+        self.calls += 1
         if self.raises:
             raise RuntimeError("metric exporter bug")
         return MetricExportResult.FAILURE
@@ -164,18 +166,44 @@ class BrokenMetricExporter(MetricExporter):
 
 @pytest.mark.parametrize("raises", [True, False])
 def test_metric_export_failures_are_counted_and_logged_once(caplog, raises):
-    reader = PeriodicExportingMetricReader(CountingMetricExporter(BrokenMetricExporter(raises)),
-                                           export_interval_millis=60_000)
+    inner = BrokenMetricExporter(raises)
+    exporter = CountingMetricExporter(inner)
+    reader = PeriodicExportingMetricReader(exporter, export_interval_millis=60_000)
     mp = MeterProvider(metric_readers=[reader, InMemoryMetricReader()])
     counter = mp.get_meter("t").create_counter("c")
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             counter.add(1)
             mp.force_flush()
-    mp.shutdown()
-    _, _, errors = export.STATS.snapshot()
-    assert errors["metric_export"] >= 3
-    ours = [r for r in caplog.records if "metric_export" in r.getMessage()]
-    assert len(ours) == 1
+        calls = inner.calls
+        exporter.closing = True  # shutting down: a failing endpoint is not tried again
+        mp.shutdown()
+    _, dropped, errors = export.STATS.snapshot()
+    if raises:  # a bug in the exporter: an internal failure, with its traceback once
+        assert errors["metric_export"] >= 3
+        ours = [r for r in caplog.records if "internal failure in metric_export" in
+                r.getMessage()]
+        assert len(ours) == 1 and ours[0].exc_info
+    else:  # the endpoint said no: a counted, untraced loss
+        assert dropped["metric_export_failed"] >= 3 and errors["metric_export"] == 0
+        ours = [r for r in caplog.records if "metric_export_failed" in r.getMessage()]
+        assert len(ours) == 1 and not ours[0].exc_info
+        assert inner.calls == calls  # the final export at shutdown was not attempted
     # The SDK's reader never saw an exception, so it logged no traceback per export.
     assert not [r for r in caplog.records if r.exc_info and r.name.startswith("opentelemetry")]
+
+
+def test_doctor_warns_when_a_ca_bundle_overrides_the_otlp_certificate(monkeypatch):
+    from kvobs_otel.doctor import WARN, check_tls
+
+    for k in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+              "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "CURL_CA_BUNDLE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_CERTIFICATE", raising=False)
+    assert check_tls() is None  # no CA of ours: nothing to override
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", "/etc/kvobs/ca.pem")
+    f = check_tls()
+    assert f is not None and f.status == WARN and "REQUESTS_CA_BUNDLE" in f.detail
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert check_tls() is None  # gRPC does not read those variables

@@ -34,7 +34,10 @@ logger = logging.getLogger("kvobs_otel")
 QUEUE_FULL = "export_queue_full"
 EXPORT_FAILED = "export_failed"
 SHUTDOWN = "export_shutdown"
-DROP_REASONS = (QUEUE_FULL, EXPORT_FAILED, SHUTDOWN)
+# Metric exports the endpoint refused or never answered (counted per export;
+# the next successful export carries the cumulative totals).
+METRIC_EXPORT_FAILED = "metric_export_failed"
+DROP_REASONS = (QUEUE_FULL, EXPORT_FAILED, SHUTDOWN, METRIC_EXPORT_FAILED)
 # Internal stages (kvobs.observer.errors{stage}).
 STAGE_EXPORTER = "exporter"
 STAGE_METRIC_EXPORT = "metric_export"
@@ -54,14 +57,14 @@ class ExportStats:
         with self._lock:
             self.exported += n
 
-    def drop(self, reason: str, n: int, detail: str = "") -> None:
+    def drop(self, reason: str, n: int, detail: str = "", what: str = "span(s)") -> None:
         with self._lock:
             self.dropped[reason] += n
             first = reason not in self._logged
             self._logged.add(reason)
         if first:  # once per reason: a dead Collector must not flood the log
-            logger.warning("kvobs-otel: %d span(s) not delivered (%s)%s; further losses are "
-                           "only counted in kvobs.observer.dropped", n, reason,
+            logger.warning("kvobs-otel: %d %s not delivered (%s)%s; further losses are "
+                           "only counted in kvobs.observer.dropped", n, what, reason,
                            f": {detail}" if detail else "")
 
     def error(self, stage: str) -> None:
@@ -235,17 +238,28 @@ class CountingMetricExporter(MetricExporter):
         super().__init__(preferred_temporality=inner._preferred_temporality,
                          preferred_aggregation=inner._preferred_aggregation)
         self.inner = inner
+        self.closing = False  # set when the provider shuts down
+        self.last_failed = False
+
+    def _failed(self) -> MetricExportResult:
+        self.last_failed = True
+        STATS.drop(METRIC_EXPORT_FAILED, 1, "the endpoint refused or could not be reached",
+                   what="metric export(s)")
+        return MetricExportResult.FAILURE
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
                **kwargs: Any) -> MetricExportResult:
+        if self.closing and self.last_failed:
+            return self._failed()  # not retried on the way out
         try:
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception:
-            STATS.error(STAGE_METRIC_EXPORT)
+            STATS.error(STAGE_METRIC_EXPORT)  # a bug in the exporter, with its traceback
+            self.last_failed = True
             return MetricExportResult.FAILURE
         if result != MetricExportResult.SUCCESS:
-            # Cumulative counters: the next successful export carries the totals.
-            STATS.error(STAGE_METRIC_EXPORT)
+            return self._failed()
+        self.last_failed = False
         return result
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:

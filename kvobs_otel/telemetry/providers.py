@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
@@ -78,13 +78,13 @@ def make_span_exporter() -> SpanExporter | None:
     raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: expected grpc or http/protobuf")
 
 
-def make_metric_reader() -> MetricReader | None:
+def make_metric_exporter() -> CountingMetricExporter | None:
     choice = os.environ.get("OTEL_METRICS_EXPORTER", "otlp").strip().lower()
     if choice == "none":
         return None
     if choice == "console":
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
-        return PeriodicExportingMetricReader(CountingMetricExporter(ConsoleMetricExporter()))
+        return CountingMetricExporter(ConsoleMetricExporter())
     if choice != "otlp":
         raise ValueError(f"OTEL_METRICS_EXPORTER={choice!r}: expected otlp, console or none")
     proto = _protocol("METRICS")
@@ -98,7 +98,7 @@ def make_metric_reader() -> MetricReader | None:
         exporter = HTTPMetricExporter()
     else:
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: expected grpc or http/protobuf")
-    return PeriodicExportingMetricReader(CountingMetricExporter(exporter))
+    return CountingMetricExporter(exporter)
 
 
 def validate_exporter_env() -> None:
@@ -135,13 +135,19 @@ class Providers:
     spans: SpanProcessor  # where finished spans go (every processor of the provider)
     resource: Resource
 
+    metric_exporters: list[CountingMetricExporter] = field(default_factory=list)
+
     def flush(self, timeout_ms: int = 10000) -> None:
         self.tracer_provider.force_flush(timeout_ms)
         self.meter_provider.force_flush(timeout_ms)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_ms: int = 10000) -> None:
+        # Closing: a metric endpoint that just failed is not retried for the
+        # final exports, so a dead Collector cannot hold the process.
+        for exporter in self.metric_exporters:
+            exporter.closing = True
         self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+        self.meter_provider.shutdown(timeout_millis=timeout_ms)
 
 
 def make_providers(resource_attributes: dict[str, Any],
@@ -172,12 +178,16 @@ def make_providers(resource_attributes: dict[str, Any],
             # Beside (or, with OTEL_TRACES_EXPORTER=none, instead of) OTLP.
             from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
             tp.add_span_processor(CountingSpanProcessor(OtlpJsonFileSpanExporter(path)))
+    metric_exporters: list[CountingMetricExporter] = []
+    readers: list[MetricReader] = []
     if not metrics:
-        readers: list[MetricReader] = []
+        pass
     elif _overrides.metric_reader is not None:
         readers = [_overrides.metric_reader()]
     else:
-        reader = make_metric_reader()
-        readers = [reader] if reader is not None else []
+        metric_exporter = make_metric_exporter()
+        if metric_exporter is not None:
+            metric_exporters.append(metric_exporter)
+            readers = [PeriodicExportingMetricReader(metric_exporter)]
     mp = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
-    return Providers(tp, mp, spans, resource)
+    return Providers(tp, mp, spans, resource, metric_exporters)

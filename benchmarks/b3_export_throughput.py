@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.common import REPO_ROOT, Goal, Result, Spread, progress
 
 GOAL = 20_000.0  # spans per second per process, zero drops
-RATES = (5_000, 10_000, 20_000, 25_000, 30_000, 40_000, 60_000)
+RATES = (5_000, 10_000, 12_500, 15_000, 17_500, 20_000, 25_000, 30_000, 40_000)
 QUICK_RATES = (5_000, 20_000)
 
 COLLECTOR = """

@@ -8,6 +8,7 @@ exporter turns ``kvobs.receipts.incomplete`` into
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from opentelemetry import trace
@@ -42,10 +43,19 @@ class MetricsBuilder:
                  exported: Callable[[], dict[str, int]] | None = None,
                  scheduler: bool | None = None) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
-        self.transfers = m.create_counter(
-            "kvobs.transfers", unit="{transfer}", description="KV transfers by direction/outcome")
-        self.bytes = m.create_counter(
-            "kvobs.transfer.bytes", unit="By", description="Bytes moved by KV transfers")
+        # The per-transfer counters are summed here and read by the SDK at
+        # collection time: an SDK measurement costs microseconds (attribute
+        # hashing, views), and these two would be paid per transfer.
+        self._transfers: Counter[tuple[str, str, int]] = Counter()  # direction, outcome, rank
+        self._bytes: Counter[tuple[str, int]] = Counter()  # direction, rank
+        m.create_observable_counter(
+            "kvobs.transfers", unit="{transfer}", description="KV transfers by direction/outcome",
+            callbacks=[lambda _o: [Observation(v, {"direction": d, "outcome": o, "rank": r})
+                                   for (d, o, r), v in list(self._transfers.items())]])
+        m.create_observable_counter(
+            "kvobs.transfer.bytes", unit="By", description="Bytes moved by KV transfers",
+            callbacks=[lambda _o: [Observation(v, {"direction": d, "rank": r})
+                                   for (d, r), v in list(self._bytes.items())]])
         self.duration = m.create_histogram(
             "kvobs.transfer.duration", unit="s",
             description="Transfer duration: clock=host (submit->result) or device",
@@ -119,12 +129,11 @@ class MetricsBuilder:
 
     def record(self, r: object) -> None:
         if isinstance(r, rec.TransferRecord):
-            labels = {"direction": r.direction, "outcome": r.outcome, "rank": r.rank}
-            self.transfers.add(1, labels)
+            self._transfers[(r.direction, r.outcome, r.rank)] += 1
             if r.outcome == rec.TRANSFER_OK:
                 d = {"direction": r.direction, "rank": r.rank}
                 if r.size_bytes:
-                    self.bytes.add(int(r.size_bytes), d)
+                    self._bytes[(r.direction, r.rank)] += int(r.size_bytes)
                 ctx = None
                 if r.req_id is not None and r.join_scope == rec.JOIN_CLUSTER:
                     # exemplar -> the transfer's job span

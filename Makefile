@@ -12,3 +12,8 @@ test:
 	  $$venv/bin/python -m pytest -q $(ARGS)
 lint:
 	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/ruff check kvobs_otel tests
+# Benchmarks (docs/benchmarks.md): `make bench`, `make bench ARGS="--quick"`,
+# `make bench ARGS="--only B2"`. Results on stdout and in benchmarks-results.json.
+.PHONY: bench
+bench:
+	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/python -m benchmarks $(ARGS)

@@ -1,0 +1,82 @@
+"""An OTLP/HTTP endpoint on loopback that accepts every export and counts it.
+
+The enabled variant of B2 then runs kvobs-otel exactly as configured by a
+user (its own export stage, encoder and the SDK's OTLP/HTTP exporters, from
+the standard OTEL_* variables), minus a real Collector: the cost of sending
+is in the measurement, and this sink proves spans really left the process.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import zlib
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class OtlpSink:
+    """Counts per sender: a sender uses ``endpoint_for(name)`` as its
+    OTEL_EXPORTER_OTLP_ENDPOINT (the exporters append ``/v1/traces``)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, Counter[str]] = {}
+        self.requests: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            # Keep-alive, as a Collector does: with HTTP/1.0 every response
+            # closes the connection and the exporters' pooled connection
+            # can fail the next export (counted as a loss that is ours).
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                encoding = (self.headers.get("Content-Encoding") or "").lower()
+                if encoding == "gzip":
+                    body = gzip.decompress(body)
+                elif encoding == "deflate":
+                    body = zlib.decompress(body)
+                sink.record(self.path, body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass  # one line per export would bury the progress lines
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="otlp-sink", daemon=True)
+        self._thread.start()
+
+    def endpoint_for(self, sender: str) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/{sender}"
+
+    def record(self, path: str, body: bytes) -> None:
+        names: list[str] = []
+        sender = path.strip("/").split("/", 1)[0]
+        if path.endswith("/v1/traces"):
+            from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+                ExportTraceServiceRequest,
+            )
+
+            req = ExportTraceServiceRequest.FromString(body)
+            names = [s.name for rs in req.resource_spans for ss in rs.scope_spans
+                     for s in ss.spans]
+        with self._lock:
+            self.requests[path] += 1
+            self.spans.setdefault(sender, Counter()).update(names)
+
+    def counts(self) -> dict[str, Any]:
+        with self._lock:
+            return {"spans": {k: dict(v) for k, v in self.spans.items()},
+                    "requests": dict(self.requests)}
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

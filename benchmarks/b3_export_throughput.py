@@ -186,6 +186,7 @@ def _step(rate: int, seconds: float, sdk_default: bool, collector: Collector) ->
 def run(quick: bool) -> Result:
     t_start = time.monotonic()
     result = Result("B3", "export throughput to a real Collector (one process, OTLP/HTTP)")
+    saved = dict(os.environ)  # restored at the end: later benchmarks see a clean process
     os.environ.pop("OTEL_TRACES_EXPORTER", None)  # the real OTLP exporter this time
     os.environ["OTEL_METRICS_EXPORTER"] = "none"
     collector = Collector()
@@ -217,6 +218,8 @@ def run(quick: bool) -> Result:
         progress(f"B3 SDK BatchSpanProcessor defaults at {int(GOAL)}/s: lost {sdk['lost']}")
     finally:
         collector.stop()
+        os.environ.clear()
+        os.environ.update(saved)
     result.goals.append(Goal("highest zero-drop span rate", Spread.of(best), ">=", GOAL,
                              unit=" spans/s", fmt=".0f",
                              note="default buffer; loss counted anywhere from the serving "

@@ -5,10 +5,12 @@
 # Prints `export KVOBS_JAEGER_BIN=... KVOBS_OTELCOL_BIN=...` for eval.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# Debian packages: Prometheus + promtool (alert and end-to-end tests) and
+# Debian packages: Prometheus + promtool (alert and end-to-end tests), openssl
+# (certificates for the TLS tests) and
 # Chromium (the HTML report's screenshot test).
 missing=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
+command -v openssl >/dev/null || missing+=(openssl)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then

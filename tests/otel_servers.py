@@ -330,10 +330,6 @@ class Pki:
     wrong_client_key: Path
 
 
-def openssl_available() -> bool:
-    return shutil.which("openssl") is not None
-
-
 def _openssl(*args: str | Path, cwd: Path) -> None:
     proc = subprocess.run(["openssl", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
@@ -365,6 +361,8 @@ def _pki_leaf(d: Path, name: str, cn: str, ext: str, ca: tuple[Path, Path],
 def make_pki(directory: str | Path) -> Pki:
     """A CA, a server and a client certificate it signed, and an unrelated CA with
     a client certificate of its own, all as PEM files in ``directory``."""
+    # The TLS tests need the openssl CLI: its absence is an error, not a skip.
+    assert shutil.which("openssl"), "the openssl CLI is not installed (apt-get install openssl)"
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     cnf = d / "openssl.cnf"

@@ -9,11 +9,9 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import pytest
+import torch
 
-pytest.importorskip("vllm")
-torch = pytest.importorskip("torch")
-
-from kvobs_otel.harness import (  # noqa: E402
+from kvobs_otel.harness import (
     Harness,
     HarnessConfig,
     make_prompts,

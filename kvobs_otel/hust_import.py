@@ -20,6 +20,7 @@ from typing import Any
 from kvobs_otel.hosts.hust import contracts, lifecycle, records
 from kvobs_otel.hosts.hust.adapter import HOST
 from kvobs_otel.hosts.hust.jsonl import Evidence, ProcessEvidence
+from kvobs_otel.identity import RequestIdHasher
 from kvobs_otel.lifecycle import records as rec
 from kvobs_otel.telemetry import attributes as A
 from kvobs_otel.telemetry.providers import Providers
@@ -38,13 +39,13 @@ class ImportResult:
 
 
 class _Sink:
-    def __init__(self, spans: SpanBuilder, pseudonym: Callable[[str], str] | None) -> None:
+    def __init__(self, spans: SpanBuilder, pseudonym: RequestIdHasher | None) -> None:
         self.spans = spans
         self.pseudonym = pseudonym
 
     def emit(self, record: Any) -> None:
-        if self.pseudonym is not None and getattr(record, "req_id", None) is not None:
-            record.req_id = self.pseudonym(record.req_id)
+        if self.pseudonym is not None:
+            self.pseudonym.apply(record)
         self.spans.build(record)
 
 
@@ -63,7 +64,7 @@ def _resource(proc: ProcessEvidence, contract: contracts.Contract, role: str,
 
 
 def _import_process(proc: ProcessEvidence, make_providers: Callable[[dict], Providers],
-                    result: ImportResult, pseudonym: Callable[[str], str] | None
+                    result: ImportResult, pseudonym: RequestIdHasher | None
                     ) -> list[Providers]:
     lines = proc.ordered()
     correlated = any(key == "v2" for key, _ in lines)
@@ -103,7 +104,7 @@ def _import_process(proc: ProcessEvidence, make_providers: Callable[[dict], Prov
 
 
 def import_evidence(evidence: Evidence, make_providers: Callable[[dict], Providers],
-                    pseudonym: Callable[[str], str] | None = None) -> ImportResult:
+                    pseudonym: RequestIdHasher | None = None) -> ImportResult:
     """``pseudonym``: replaces request ids (KVOBS_OTEL_REQUEST_ID_KEY), as live."""
     result = ImportResult()
     all_providers: list[Providers] = []

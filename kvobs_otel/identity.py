@@ -95,6 +95,12 @@ class RequestIdHasher:
         self._key = key
         self._cache: dict[str, str] = {}
 
+    def apply(self, record: object) -> None:
+        """Replace a lifecycle record's ``req_id`` (if it has one) in place."""
+        req_id = getattr(record, "req_id", None)
+        if req_id is not None:
+            record.req_id = self(req_id)  # type: ignore[attr-defined]
+
     def __call__(self, req_id: str) -> str:
         out = self._cache.get(req_id)
         if out is None:

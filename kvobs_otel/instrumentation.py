@@ -61,7 +61,7 @@ def instrument(settings: Settings | None = None, *, default_enabled: bool = Fals
             logger.error("kvobs-otel: observation stays off: %s", e)
             return False
         if _attach_hust(settings):
-            return hust.current() is not None and hust.current().observing  # type: ignore[union-attr]
+            return is_instrumented()
         try:
             import vllm
 

@@ -54,14 +54,14 @@ class Observer:
             self.providers,
             open_receipts=((lambda: lc.open_receipts) if hasattr(lc, "open_receipts") else None),
             anomalies=lc.anomalies, refused=getattr(lc, "refusals", None),
-            scheduler=(lc.role == "scheduler") if hasattr(lc, "role") else None)
+            scheduler=lc.role == "scheduler")
         self.closed = False
 
     # RecordSink
     def emit(self, record: Any) -> None:
-        if self.pseudonym is not None and getattr(record, "req_id", None) is not None:
+        if self.pseudonym is not None:
             try:
-                record.req_id = self.pseudonym(record.req_id)
+                self.pseudonym.apply(record)
             except Exception:
                 self.pipeline.count_error("span_build")
                 return  # never export the raw id instead

@@ -60,6 +60,7 @@ class _Request:
 
 
 class SchedulerLifecycle:
+    role = "scheduler"
     # Remember this many closed jobs so a late receipt is told from an unknown one.
     _CLOSED_MEMORY = 8192
 

@@ -16,6 +16,7 @@ from kvobs_otel.lifecycle.scheduler_state import RecordSink
 
 
 class WorkerLifecycle:
+    role = "worker"
     # Job contexts of jobs this rank never submits (non-writer stores) would
     # otherwise accumulate: keep the newest ones only.
     _CTX_CAP = 65536

@@ -41,7 +41,7 @@ class MetricsBuilder:
                  anomalies: Callable[[], dict[str, int]] | None = None,
                  refused: Callable[[], dict[str, int]] | None = None,
                  exported: Callable[[], dict[str, int]] | None = None,
-                 scheduler: bool | None = None) -> None:
+                 scheduler: bool = False) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
         # The per-transfer counters are summed here and read by the SDK at
         # collection time: an SDK measurement costs microseconds (attribute
@@ -75,8 +75,6 @@ class MetricsBuilder:
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
         self.first_compute = m.create_counter(
             "kvobs.first_compute", unit="{event}", description="First computes after recovery")
-        if scheduler is None:
-            scheduler = open_receipts is not None
         if scheduler:
             # Counters an alert takes increase() of start at 0: a series whose
             # first sample is already 1 shows no increase to Prometheus.
@@ -91,34 +89,24 @@ class MetricsBuilder:
             m.create_observable_gauge(
                 "kvobs.receipts.open", unit="{job}", description="Jobs with an open receipt",
                 callbacks=[lambda _o: [Observation(open_receipts())]])
-        if drops is not None:
-            m.create_observable_counter(
-                "kvobs.observer.dropped", unit="{event}",
-                description="Observations dropped, by reason",
-                callbacks=[self._by("reason", drops)])
-        if exported is not None:
-            m.create_observable_counter(
-                "kvobs.observer.exported", unit="{span}",
-                description="Spans the exporter delivered (accepted by the endpoint or file)",
-                callbacks=[self._by("signal", exported)])
-        if errors is not None:
-            m.create_observable_counter(
-                "kvobs.observer.errors", unit="{error}",
-                description="Internal observer failures contained, by stage",
-                callbacks=[self._by("stage", errors)])
-
-        if anomalies is not None:
-            m.create_observable_counter(
-                "kvobs.observer.anomalies", unit="{event}",
-                description="Host records that could not be joined (late, unknown or "
-                "duplicate receipts; results without a submission or job)",
-                callbacks=[self._by("kind", anomalies)])
-        if refused is not None:
-            m.create_observable_counter(
-                "kvobs.host.refused", unit="{record}",
-                description="Host contracts and records refused (unknown versions, "
-                "malformed records), by reason",
-                callbacks=[self._by("reason", refused)])
+        # Counts kept elsewhere (per process or per host), read at collection.
+        for source, name, unit, key, description in (
+            (drops, "kvobs.observer.dropped", "{event}", "reason",
+             "Observations dropped, by reason"),
+            (exported, "kvobs.observer.exported", "{span}", "signal",
+             "Spans the exporter delivered (accepted by the endpoint or file)"),
+            (errors, "kvobs.observer.errors", "{error}", "stage",
+             "Internal observer failures contained, by stage"),
+            (anomalies, "kvobs.observer.anomalies", "{event}", "kind",
+             "Host records that could not be joined (late, unknown or duplicate receipts; "
+             "results without a submission or job)"),
+            (refused, "kvobs.host.refused", "{record}", "reason",
+             "Host contracts and records refused (unknown versions, malformed records), "
+             "by reason"),
+        ):
+            if source is not None:
+                m.create_observable_counter(name, unit=unit, description=description,
+                                            callbacks=[self._by(key, source)])
 
     @staticmethod
     def _by(key: str, source: Callable[[], dict[str, int]]

@@ -162,7 +162,7 @@ def make_providers(resource_attributes: dict[str, Any],
     spans = SynchronousMultiSpanProcessor()
     tp = TracerProvider(resource=resource, sampler=ALWAYS_ON, active_span_processor=spans,
                         shutdown_on_exit=False)
-    if not traces:
+    if not traces:  # a meter-only pair (the per-process counts)
         pass
     elif _overrides.span_processor is not None:
         tp.add_span_processor(_overrides.span_processor())
@@ -180,11 +180,9 @@ def make_providers(resource_attributes: dict[str, Any],
             tp.add_span_processor(CountingSpanProcessor(OtlpJsonFileSpanExporter(path)))
     metric_exporters: list[CountingMetricExporter] = []
     readers: list[MetricReader] = []
-    if not metrics:
-        pass
-    elif _overrides.metric_reader is not None:
+    if metrics and _overrides.metric_reader is not None:
         readers = [_overrides.metric_reader()]
-    else:
+    elif metrics:
         metric_exporter = make_metric_exporter()
         if metric_exporter is not None:
             metric_exporters.append(metric_exporter)

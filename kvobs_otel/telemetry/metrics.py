@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Any
 
-from opentelemetry import trace
-from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import SpanContext, TraceFlags
 
 from kvobs_otel import identity
 from kvobs_otel.lifecycle import records as rec
@@ -27,12 +25,6 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def _in_trace(trace_id: int, span_id: int) -> Context:
-    """A context whose span is the given one: the SDK takes exemplars' trace ids from it."""
-    return trace.set_span_in_context(trace.NonRecordingSpan(SpanContext(
-        trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))))
-
-
 class MetricsBuilder:
     def __init__(self, providers: Providers, *,
                  open_receipts: Callable[[], int] | None = None,
@@ -43,48 +35,45 @@ class MetricsBuilder:
                  exported: Callable[[], dict[str, int]] | None = None,
                  scheduler: bool = False) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
-        # The per-transfer counters are summed here and read by the SDK at
-        # collection time: an SDK measurement costs microseconds (attribute
-        # hashing, views), and these two would be paid per transfer.
-        self._transfers: Counter[tuple[str, str, int]] = Counter()  # direction, outcome, rank
-        self._bytes: Counter[tuple[str, int]] = Counter()  # direction, rank
-        m.create_observable_counter(
-            "kvobs.transfers", unit="{transfer}", description="KV transfers by direction/outcome",
-            callbacks=[lambda _o: [Observation(v, {"direction": d, "outcome": o, "rank": r})
-                                   for (d, o, r), v in list(self._transfers.items())]])
-        m.create_observable_counter(
-            "kvobs.transfer.bytes", unit="By", description="Bytes moved by KV transfers",
-            callbacks=[lambda _o: [Observation(v, {"direction": d, "rank": r})
-                                   for (d, r), v in list(self._bytes.items())]])
-        self.duration = m.create_histogram(
-            "kvobs.transfer.duration", unit="s",
-            description="Transfer duration: clock=host (submit->result) or device",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
-        self.jobs = m.create_counter(
-            "kvobs.jobs", unit="{job}", description="Transfer jobs by kind and receipt outcome")
-        self.incomplete = m.create_counter(
-            "kvobs.receipts.incomplete", unit="{job}",
-            description="Jobs whose receipt still missed ranks at the deadline or shutdown")
-        self.episodes = m.create_counter(
-            "kvobs.recovery.episodes", unit="{episode}", description="Recovery episodes by outcome")
-        self.recovery = m.create_histogram(
-            "kvobs.recovery.latency", unit="s", description="Preemption -> first compute",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
-        self.admission_wait = m.create_histogram(
-            "kvobs.admission.wait", unit="s", description="Restore received -> re-admission",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS)
-        self.first_compute = m.create_counter(
-            "kvobs.first_compute", unit="{event}", description="First computes after recovery")
+        self._meter = m
+        # Counted here and read by the SDK at collection time; histograms
+        # aggregated here too (histograms.py): an SDK measurement costs
+        # 5-15 us (attribute hashing, views, exemplars), paid per record on
+        # the drain thread, which shares the GIL with vLLM's serving thread.
+        self.transfers = self._counter(
+            "kvobs.transfers", "{transfer}", "KV transfers by direction/outcome",
+            ("direction", "outcome", "rank"))
+        self.bytes = self._counter("kvobs.transfer.bytes", "By", "Bytes moved by KV transfers",
+                                   ("direction", "rank"))
+        self.jobs = self._counter("kvobs.jobs", "{job}",
+                                  "Transfer jobs by kind and receipt outcome", ("kind", "outcome"))
+        self.incomplete = self._counter(
+            "kvobs.receipts.incomplete", "{job}",
+            "Jobs whose receipt still missed ranks at the deadline or shutdown",
+            ("kind", "outcome"))
+        self.episodes = self._counter("kvobs.recovery.episodes", "{episode}",
+                                      "Recovery episodes by outcome", ("outcome",))
+        self.first_compute = self._counter("kvobs.first_compute", "{event}",
+                                           "First computes after recovery",
+                                           ("rank", "compute_kind"))
+        h = providers.histograms
+        self.duration = h.create(
+            "kvobs.transfer.duration", "s",
+            "Transfer duration: clock=host (submit->result) or device", LATENCY_BUCKETS)
+        self.recovery = h.create("kvobs.recovery.latency", "s", "Preemption -> first compute",
+                                 LATENCY_BUCKETS)
+        self.admission_wait = h.create("kvobs.admission.wait", "s",
+                                       "Restore received -> re-admission", LATENCY_BUCKETS)
         if scheduler:
             # Counters an alert takes increase() of start at 0: a series whose
             # first sample is already 1 shows no increase to Prometheus.
             for kind in ("load", "store"):
                 for outcome in (rec.RECEIPT_INCOMPLETE, rec.ABANDONED):
-                    self.incomplete.add(0, {"kind": kind, "outcome": outcome})
+                    self.incomplete[(kind, outcome)] += 0
             for outcome in (rec.RECOVERED, rec.FINISHED_BEFORE_RESUME, rec.ABORTED_BEFORE_RESUME,
                             rec.PREEMPTED_AGAIN, rec.RECEIPT_INCOMPLETE,
                             rec.FIRST_COMPUTE_INCOMPLETE, rec.ABANDONED):
-                self.episodes.add(0, {"outcome": outcome})
+                self.episodes[(outcome,)] += 0
         if open_receipts is not None:
             m.create_observable_gauge(
                 "kvobs.receipts.open", unit="{job}", description="Jobs with an open receipt",
@@ -108,6 +97,16 @@ class MetricsBuilder:
                 m.create_observable_counter(name, unit=unit, description=description,
                                             callbacks=[self._by(key, source)])
 
+    def _counter(self, name: str, unit: str, description: str,
+                 keys: tuple[str, ...]) -> Counter[tuple[Any, ...]]:
+        """A monotonic sum kept as a Counter of attribute-value tuples."""
+        counts: Counter[tuple[Any, ...]] = Counter()
+        self._meter.create_observable_counter(
+            name, unit=unit, description=description,
+            callbacks=[lambda _o: [Observation(v, dict(zip(keys, k, strict=True)))
+                                   for k, v in list(counts.items())]])
+        return counts
+
     @staticmethod
     def _by(key: str, source: Callable[[], dict[str, int]]
             ) -> Callable[[CallbackOptions], Iterable[Observation]]:
@@ -117,34 +116,32 @@ class MetricsBuilder:
 
     def record(self, r: object) -> None:
         if isinstance(r, rec.TransferRecord):
-            self._transfers[(r.direction, r.outcome, r.rank)] += 1
+            self.transfers[(r.direction, r.outcome, r.rank)] += 1
             if r.outcome == rec.TRANSFER_OK:
-                d = {"direction": r.direction, "rank": r.rank}
                 if r.size_bytes:
-                    self._bytes[(r.direction, r.rank)] += int(r.size_bytes)
-                ctx = None
+                    self.bytes[(r.direction, r.rank)] += int(r.size_bytes)
+                tid = sid = 0
                 if r.req_id is not None and r.join_scope == rec.JOIN_CLUSTER:
                     # exemplar -> the transfer's job span
                     tid = identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch)
-                    ctx = _in_trace(tid, identity.job_span_id(r.sched_gen, r.job_id))
-                self.duration.record((r.end_ns - r.start_ns) * _NS, {**d, "clock": "host"},
-                                     context=ctx)
+                    sid = identity.job_span_id(r.sched_gen, r.job_id)
+                self.duration.record((("direction", r.direction), ("rank", r.rank),
+                                      ("clock", "host")), (r.end_ns - r.start_ns) * _NS, tid, sid)
                 if r.device_time_s is not None:
-                    self.duration.record(float(r.device_time_s), {**d, "clock": "device"},
-                                         context=ctx)
+                    self.duration.record((("direction", r.direction), ("rank", r.rank),
+                                          ("clock", "device")), float(r.device_time_s), tid, sid)
         elif isinstance(r, rec.JobRecord):
-            self.jobs.add(1, {"kind": r.kind, "outcome": r.outcome})
+            self.jobs[(r.kind, r.outcome)] += 1
             if r.outcome != rec.COMPLETE:
-                self.incomplete.add(1, {"kind": r.kind, "outcome": r.outcome})
+                self.incomplete[(r.kind, r.outcome)] += 1
         elif isinstance(r, rec.EpisodeRecord):
-            self.episodes.add(1, {"outcome": r.outcome})
-            ctx = _in_trace(*identity.episode_ids(r.sched_gen, r.req_id, r.epoch))
+            self.episodes[(r.outcome,)] += 1
+            tid, sid = identity.episode_ids(r.sched_gen, r.req_id, r.epoch)
             # Preemption -> first compute; a host that sees first compute only
             # on the ranks (vLLM-HUST) cannot measure it in the scheduler.
             if r.outcome == rec.RECOVERED and r.first_compute_observed:
-                self.recovery.record((r.end_ns - r.start_ns) * _NS, context=ctx)
+                self.recovery.record((), (r.end_ns - r.start_ns) * _NS, tid, sid)
             if r.admitted_ns is not None and r.ready_ns is not None:
-                self.admission_wait.record(max(0, r.admitted_ns - r.ready_ns) * _NS,
-                                           context=ctx)
+                self.admission_wait.record((), max(0, r.admitted_ns - r.ready_ns) * _NS, tid, sid)
         elif isinstance(r, rec.FirstComputeRecord):
-            self.first_compute.add(1, {"rank": r.rank, "compute_kind": r.compute_kind})
+            self.first_compute[(r.rank, r.compute_kind)] += 1

@@ -22,6 +22,7 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from kvobs_otel import __version__
 from kvobs_otel.telemetry.export import (
@@ -29,6 +30,7 @@ from kvobs_otel.telemetry.export import (
     CountingSpanProcessor,
     batch_settings,
 )
+from kvobs_otel.telemetry.histograms import Histograms
 
 SERVICE_NAME_DEFAULT = "kvobs-otel"
 SCOPE = "kvobs_otel"
@@ -134,7 +136,7 @@ class Providers:
     meter_provider: MeterProvider
     spans: SpanProcessor  # where finished spans go (every processor of the provider)
     resource: Resource
-
+    histograms: Histograms  # aggregated by us, collected by every reader (histograms.py)
     metric_exporters: list[CountingMetricExporter] = field(default_factory=list)
 
     def flush(self, timeout_ms: int = 10000) -> None:
@@ -188,4 +190,8 @@ def make_providers(resource_attributes: dict[str, Any],
             metric_exporters.append(metric_exporter)
             readers = [PeriodicExportingMetricReader(metric_exporter)]
     mp = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
-    return Providers(tp, mp, spans, resource, metric_exporters)
+    histograms = Histograms(resource, InstrumentationScope(SCOPE, __version__))
+    for reader in readers:
+        if not histograms.attach(reader):
+            raise RuntimeError("this OpenTelemetry SDK's metric reader cannot be extended")
+    return Providers(tp, mp, spans, resource, histograms, metric_exporters)

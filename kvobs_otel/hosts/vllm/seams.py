@@ -82,33 +82,39 @@ class SchedulerSeams:
 
     def after_build_meta(self, so: Any, meta: Any) -> None:
         try:
+            loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
+            preempted_ids, open_ = so.preempted_req_ids, self.open
+            if not (preempted_ids or open_ or loads or stores or flushed):
+                return  # an idle step: nothing for the workers or the drain thread
+            # (list comprehensions, not tuple(generator): about half the cost)
             episodes: dict[str, int] = {}
-            preempted = ()
-            if so.preempted_req_ids:
+            preempted: tuple[tuple[str, int], ...] = ()
+            if preempted_ids:
                 reqs = self.requests
-                preempted = tuple((r, reqs[r].num_preemptions)
-                                  for r in so.preempted_req_ids if r in reqs)
+                preempted = tuple([(r, reqs[r].num_preemptions)
+                                   for r in preempted_ids if r in reqs])
                 for r, epoch in preempted:
-                    self.open[r] = episodes[r] = epoch
+                    open_[r] = episodes[r] = epoch
             admitted: dict[str, tuple[int, str]] = {}
-            if self.open:
+            if open_:
                 self._admissions(so, admitted)
-                for job in meta.load_jobs.values():
-                    epoch = self.open.get(job.req_id)
+                for job in loads.values():
+                    epoch = open_.get(job.req_id)
                     if epoch is not None:
                         episodes[job.req_id] = epoch
                 for r, (epoch, _k) in admitted.items():
                     episodes[r] = epoch
-                    del self.open[r]
+                    del open_[r]
             setattr(meta, STEP_ATTR, (self.gen, episodes, admitted))
-            loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             if preempted or loads or stores or flushed or admitted:
                 self.offer((self.consumer, ev.S_STEP, _now(), preempted,
-                            tuple((j, x.req_id, x.sync, _blocks(x.dst_spec))
-                                  for j, x in loads.items()),
-                            tuple((j, x.req_id, _blocks(x.src_spec)) for j, x in stores.items()),
-                            tuple(flushed or ()),
-                            tuple((r, e, k) for r, (e, k) in admitted.items())))
+                            tuple([(j, x.req_id, x.sync, _blocks(x.dst_spec))
+                                   for j, x in loads.items()]) if loads else (),
+                            tuple([(j, x.req_id, _blocks(x.src_spec))
+                                   for j, x in stores.items()]) if stores else (),
+                            tuple(flushed) if flushed else (),
+                            tuple([(r, e, k) for r, (e, k) in admitted.items()])
+                            if admitted else ()))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -209,9 +215,11 @@ class WorkerSeams:
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             if loads or stores or flushed:
                 self.offer((self.consumer, ev.W_STEP, t, self.sched_gen,
-                            tuple((j, x.req_id, _blocks(x.dst_spec)) for j, x in loads.items()),
-                            tuple((j, x.req_id, _blocks(x.src_spec)) for j, x in stores.items()),
-                            tuple(flushed or ()), episodes))
+                            tuple([(j, x.req_id, _blocks(x.dst_spec)) for j, x in loads.items()])
+                            if loads else (),
+                            tuple([(j, x.req_id, _blocks(x.src_spec)) for j, x in stores.items()])
+                            if stores else (),
+                            tuple(flushed) if flushed else (), episodes))
         except Exception:
             self.pipeline.count_error("seam")
 

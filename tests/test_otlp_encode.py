@@ -41,6 +41,58 @@ def test_every_span_of_a_real_recovery(observe):
         same(enc, [s])
 
 
+class _Encoded:
+    """Stands in the export stage: keeps what the span builder hands over."""
+
+    takes_encoded = True
+
+    def __init__(self) -> None:
+        self.items: list[tuple] = []
+
+    def on_encoded(self, resource, scope, data: bytes) -> None:
+        self.items.append((resource, scope, data))
+
+
+def test_spans_encoded_by_the_builder_are_the_sdk_spans_it_would_build(observe, monkeypatch):
+    """The builder's direct path (record fields -> Span bytes) sends what its
+    ReadableSpan path, encoded by the SDK, sends - for every record of a real
+    recovery with a W3C link and ordinary traffic."""
+    import random
+
+    from kvobs_otel.pipeline import Observer
+    from kvobs_otel.telemetry.providers import make_providers
+    from kvobs_otel.telemetry.spans import SpanBuilder
+
+    records: list = []
+    emit = Observer.emit
+    monkeypatch.setattr(Observer, "emit", lambda self, r: (records.append(r), emit(self, r)))
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        start_recovery(h, "dir", trace_headers={
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+        h.add_request("plain", 48, max_tokens=6)
+        h.run_until_idle(400)
+    current_pipeline().flush()
+    assert {type(r).__name__ for r in records} >= {
+        "EpisodeRecord", "JobRecord", "TransferRecord", "FirstComputeRecord", "RequestRecord"}
+
+    providers = make_providers({"kvobs.role": "test"})  # the in-memory exporter of `observe`
+    sdk_path = SpanBuilder(providers, 1.0, 64)
+    direct = SpanBuilder(providers, 1.0, 64)
+    sink = _Encoded()
+    direct.encoded_sinks, direct.encoder = [sink], SpanEncoder()
+    direct.offset_ns = sdk_path.offset_ns
+    before = len(observe.spans())
+    for builder in (sdk_path, direct):
+        random.seed(5)  # the same random ids (kv.transfer, kv.request roots)
+        for r in records:
+            builder.build(r)
+    built = observe.spans()[before:]
+    assert len(built) == len(sink.items) == sdk_path.spans_built > 10
+    assert (ExportTraceServiceRequest.FromString(SpanEncoder().frame(sink.items))
+            == encode_spans(built))
+    providers.shutdown()
+
+
 ints = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 scalars = st.one_of(st.text(max_size=12), st.booleans(), ints,
                     st.floats(allow_nan=False), st.binary(max_size=6))

@@ -136,7 +136,9 @@ class CountingSpanProcessor(SpanProcessor):
     def __init__(self, exporter: SpanExporter, settings: BatchSettings | None = None) -> None:
         self.exporter = exporter
         self.settings = s = settings or batch_settings()
-        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        # ReadableSpan, or (resource, scope, Span bytes) for an exporter that
+        # takes encoded spans (telemetry/spans.py, telemetry/exporters.py)
+        self._queue: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
         self._inflight = 0
         self._flush_requested = False
@@ -149,6 +151,14 @@ class CountingSpanProcessor(SpanProcessor):
     # SpanProcessor ---------------------------------------------------------------
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         pass
+
+    @property
+    def takes_encoded(self) -> bool:
+        """The exporter sends OTLP ``Span`` bytes encoded by the span builder."""
+        return bool(getattr(self.exporter, "takes_encoded", False))
+
+    def on_encoded(self, resource: Any, scope: Any, data: bytes) -> None:
+        self.on_end((resource, scope, data))  # type: ignore[arg-type]
 
     def on_end(self, span: ReadableSpan) -> None:
         with self._cond:
@@ -217,9 +227,12 @@ class CountingSpanProcessor(SpanProcessor):
                 self._inflight = 0
                 self._cond.notify_all()
 
-    def _export(self, batch: Sequence[ReadableSpan]) -> None:
+    def _export(self, batch: Sequence[Any]) -> None:
         try:
-            result = self.exporter.export(batch)
+            if isinstance(batch[0], tuple):
+                result = self.exporter.export_encoded(batch)
+            else:
+                result = self.exporter.export(batch)
         except Exception:
             STATS.error(STAGE_EXPORTER)
             STATS.drop(EXPORT_FAILED, len(batch))

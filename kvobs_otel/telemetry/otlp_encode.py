@@ -17,7 +17,7 @@ Span.Event, Span.Link, Status, KeyValue, AnyValue, ArrayValue).
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -27,6 +27,8 @@ _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
 _pack_i = struct.Struct("<I").pack
+_LOCAL_FLAGS = _pack_i(_HAS_IS_REMOTE)
+_REMOTE_FLAGS = _pack_i(_HAS_IS_REMOTE | _IS_REMOTE)
 
 
 def _varint_slow(n: int) -> bytes:
@@ -98,6 +100,7 @@ class SpanEncoder:
         self._strings: dict[str, bytes] = {}
         self._resources: dict[int, tuple[Any, bytes]] = {}
         self._scopes: dict[int, tuple[Any, bytes]] = {}
+        self._statuses: dict[tuple[int, str], bytes] = {}
 
     def _attributes(self, field: int, attributes: Mapping[str, Any] | None) -> bytes:
         """Repeated KeyValue field ``field``; each framed pair cached by
@@ -107,6 +110,8 @@ class SpanEncoder:
         kv = self._kv
         parts = []
         for key, value in attributes.items():
+            if value is None:
+                continue
             cache_key = (field, key, value.__class__, value)
             try:
                 framed = kv.get(cache_key)
@@ -150,55 +155,85 @@ class SpanEncoder:
         return hit[1]
 
     def span(self, s: ReadableSpan) -> bytes:
-        ctx = s.context
-        parent = s.parent
-        out = [b"\x0a\x10", ctx.trace_id.to_bytes(16, "big"),
-               b"\x12\x08", ctx.span_id.to_bytes(8, "big")]
+        """One SDK span -> its ``Span`` message."""
+        ctx, parent = s.context, s.parent
         state = ctx.trace_state
-        if state:
-            out.append(_string(3, ",".join(f"{k}={v}" for k, v in state.items())))
-        if parent is not None:
-            out += [b"\x22\x08", parent.span_id.to_bytes(8, "big")]
-        out.append(self._name(5, s.name))
-        kind = s.kind.value + 1  # API SpanKind -> OTLP enum (0 is UNSPECIFIED)
-        out += [b"\x30", _varint(kind), b"\x39", _pack_q(s.start_time or 0),
-                b"\x41", _pack_q(s.end_time or 0), self._attributes(9, s.attributes)]
-        if s.dropped_attributes:
-            out += [b"\x50", _varint(s.dropped_attributes)]
-        for e in s.events:
-            body = (b"\x09" + _pack_q(e.timestamp) + self._name(2, e.name)
-                    + self._attributes(3, e.attributes))
-            if e.dropped_attributes:
-                body += b"\x20" + _varint(e.dropped_attributes)
+        return self.encode(
+            s.name, ctx.trace_id, ctx.span_id,
+            parent.span_id if parent is not None else 0,
+            parent is not None and parent.is_remote,
+            s.start_time or 0, s.end_time or 0, s.attributes,
+            [(e.name, e.timestamp, e.attributes, e.dropped_attributes) for e in s.events],
+            [(lk.context.trace_id, lk.context.span_id, lk.context.is_remote, lk.attributes,
+              lk.dropped_attributes) for lk in s.links],
+            s.status.status_code.value, s.status.description or "",
+            s.kind.value + 1,  # API SpanKind -> OTLP enum (0 is UNSPECIFIED)
+            ",".join(f"{k}={v}" for k, v in state.items()) if state else "",
+            s.dropped_attributes, s.dropped_events, s.dropped_links)
+
+    def encode(self, name: str, trace_id: int, span_id: int, parent_span_id: int,
+               parent_remote: bool, start_ns: int, end_ns: int,
+               attributes: Mapping[str, Any] | None,
+               events: Sequence[tuple[str, int, Mapping[str, Any] | None, int]] = (),
+               links: Sequence[tuple[int, int, bool, Mapping[str, Any] | None, int]] = (),
+               status_code: int = 0, status_description: str = "", kind: int = 1,
+               trace_state: str = "", dropped_attributes: int = 0, dropped_events: int = 0,
+               dropped_links: int = 0) -> bytes:
+        """A ``Span`` message from its fields (the span builder calls this
+        directly: no SDK span object is made on the way). Attributes whose
+        value is None are left out, as the SDK leaves them out."""
+        out = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
+        if trace_state:
+            out.append(_string(3, trace_state))
+        if parent_span_id:
+            out += [b"\x22\x08", parent_span_id.to_bytes(8, "big")]
+        out += [self._name(5, name), b"\x30", _varint(kind), b"\x39", _pack_q(start_ns),
+                b"\x41", _pack_q(end_ns), self._attributes(9, attributes)]
+        if dropped_attributes:
+            out += [b"\x50", _varint(dropped_attributes)]
+        for e_name, e_time, e_attrs, e_dropped in events:
+            body = b"\x09" + _pack_q(e_time) + self._name(2, e_name) + self._attributes(3, e_attrs)
+            if e_dropped:
+                body += b"\x20" + _varint(e_dropped)
             out.append(_field(11, body))
-        if s.dropped_events:
-            out += [b"\x60", _varint(s.dropped_events)]
-        for link in s.links:
-            lc = link.context
-            flags = _HAS_IS_REMOTE | (_IS_REMOTE if lc.is_remote else 0)
-            body = (b"\x0a\x10" + lc.trace_id.to_bytes(16, "big") + b"\x12\x08"
-                    + lc.span_id.to_bytes(8, "big") + self._attributes(4, link.attributes))
-            if link.dropped_attributes:
-                body += b"\x28" + _varint(link.dropped_attributes)
+        if dropped_events:
+            out += [b"\x60", _varint(dropped_events)]
+        for l_tid, l_sid, l_remote, l_attrs, l_dropped in links:
+            flags = _HAS_IS_REMOTE | (_IS_REMOTE if l_remote else 0)
+            body = (b"\x0a\x10" + l_tid.to_bytes(16, "big") + b"\x12\x08"
+                    + l_sid.to_bytes(8, "big") + self._attributes(4, l_attrs))
+            if l_dropped:
+                body += b"\x28" + _varint(l_dropped)
             out.append(_field(13, body + b"\x35" + _pack_i(flags)))
-        if s.dropped_links:
-            out += [b"\x70", _varint(s.dropped_links)]
-        status = s.status
-        code = status.status_code.value
-        out.append(_field(15, _string(2, status.description or "")
-                          + (b"\x18" + _varint(code) if code else b"")))
-        flags = _HAS_IS_REMOTE | (_IS_REMOTE if parent is not None and parent.is_remote else 0)
-        out += [b"\x85\x01", _pack_i(flags)]  # field 16, fixed32
+        if dropped_links:
+            out += [b"\x70", _varint(dropped_links)]
+        out.append(self._status(status_code, status_description))
+        # field 16 (fixed32): the SDK sets these flags from the parent only
+        out += [b"\x85\x01", _REMOTE_FLAGS if parent_remote else _LOCAL_FLAGS]
         return b"".join(out)
 
+    def _status(self, code: int, description: str) -> bytes:
+        key = (code, description)
+        out = self._statuses.get(key)
+        if out is None:
+            out = _field(15, _string(2, description) + (b"\x18" + _varint(code) if code else b""))
+            if len(self._statuses) >= self._CACHE:
+                self._statuses.clear()
+            self._statuses[key] = out
+        return out
+
     def request(self, spans: Sequence[ReadableSpan]) -> bytes:
-        """An ExportTraceServiceRequest, grouped by resource then scope in
-        first-seen order (as the SDK groups them)."""
+        """An ExportTraceServiceRequest of SDK spans."""
+        return self.frame([(s.resource, s.instrumentation_scope, self.span(s)) for s in spans])
+
+    def frame(self, items: Iterable[tuple[Any, Any, bytes]]) -> bytes:
+        """An ExportTraceServiceRequest of encoded spans (resource, scope,
+        ``Span`` bytes), grouped by resource then scope in first-seen order
+        (as the SDK groups them)."""
         groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
-        for s in spans:
-            res, scope = s.resource, s.instrumentation_scope
+        for res, scope, data in items:
             by_scope = groups.setdefault(id(res), (res, {}))[1]
-            by_scope.setdefault(id(scope), (scope, []))[1].append(_field(2, self.span(s)))
+            by_scope.setdefault(id(scope), (scope, []))[1].append(_field(2, data))
         out = []
         for res, by_scope in groups.values():
             body = [self._resource(res)]

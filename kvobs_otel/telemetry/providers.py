@@ -138,6 +138,8 @@ class Providers:
     resource: Resource
     histograms: Histograms  # aggregated by us, collected by every reader (histograms.py)
     metric_exporters: list[CountingMetricExporter] = field(default_factory=list)
+    # where the span builder sends encoded spans; empty: it sends ReadableSpans
+    encoded_sinks: list[CountingSpanProcessor] = field(default_factory=list)
 
     def flush(self, timeout_ms: int = 10000) -> None:
         self.tracer_provider.force_flush(timeout_ms)
@@ -164,22 +166,29 @@ def make_providers(resource_attributes: dict[str, Any],
     spans = SynchronousMultiSpanProcessor()
     tp = TracerProvider(resource=resource, sampler=ALWAYS_ON, active_span_processor=spans,
                         shutdown_on_exit=False)
+    processors: list[SpanProcessor] = []
     if not traces:  # a meter-only pair (the per-process counts)
         pass
     elif _overrides.span_processor is not None:
-        tp.add_span_processor(_overrides.span_processor())
+        processors.append(_overrides.span_processor())
     elif span_exporters is not None:
-        for exporter in span_exporters:
-            tp.add_span_processor(CountingSpanProcessor(exporter))
+        processors += [CountingSpanProcessor(exporter) for exporter in span_exporters]
     else:
         exporter = make_span_exporter()
         if exporter is not None:
-            tp.add_span_processor(CountingSpanProcessor(exporter))
+            processors.append(CountingSpanProcessor(exporter))
         path = os.environ.get(ENV_TRACES_FILE, "").strip()
         if path:
             # Beside (or, with OTEL_TRACES_EXPORTER=none, instead of) OTLP.
             from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
-            tp.add_span_processor(CountingSpanProcessor(OtlpJsonFileSpanExporter(path)))
+            processors.append(CountingSpanProcessor(OtlpJsonFileSpanExporter(path)))
+    for processor in processors:
+        tp.add_span_processor(processor)
+    # Spans are encoded by the builder when every exporter takes OTLP bytes.
+    encoded = [p for p in processors
+               if isinstance(p, CountingSpanProcessor) and p.takes_encoded]
+    if len(encoded) != len(processors):
+        encoded = []
     metric_exporters: list[CountingMetricExporter] = []
     readers: list[MetricReader] = []
     if metrics and _overrides.metric_reader is not None:
@@ -194,4 +203,4 @@ def make_providers(resource_attributes: dict[str, Any],
     for reader in readers:
         if not histograms.attach(reader):
             raise RuntimeError("this OpenTelemetry SDK's metric reader cannot be extended")
-    return Providers(tp, mp, spans, resource, histograms, metric_exporters)
+    return Providers(tp, mp, spans, resource, histograms, metric_exporters, encoded)

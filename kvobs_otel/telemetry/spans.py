@@ -25,9 +25,14 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from kvobs_otel import __version__, identity
 from kvobs_otel.lifecycle import records as rec
 from kvobs_otel.telemetry import attributes as A
+from kvobs_otel.telemetry.otlp_encode import SpanEncoder
 from kvobs_otel.telemetry.providers import SCOPE, Providers
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def _context(parent: tuple[int, int]) -> SpanContext:
+    return SpanContext(parent[0], parent[1], is_remote=True, trace_flags=_SAMPLED)
 
 
 def parse_traceparent(value: str | None) -> SpanContext | None:
@@ -48,10 +53,13 @@ def parse_traceparent(value: str | None) -> SpanContext | None:
 
 _UNSET = Status(StatusCode.UNSET)
 _random_bits = random.getrandbits  # as the SDK's RandomIdGenerator
+_ERROR = StatusCode.ERROR.value
 
-
-def _parent(trace_id: int, span_id: int) -> SpanContext:
-    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=_SAMPLED)
+# A parent or link target: (trace_id, span_id); parents are always remote
+# contexts (another process, or a span this builder derived but never holds).
+Ref = tuple[int, int]
+# A link: (trace_id, span_id, is_remote, trace_flags, attributes)
+LinkT = tuple[int, int, bool, int, dict[str, Any]]
 
 
 def _random_id(bits: int) -> int:
@@ -59,14 +67,20 @@ def _random_id(bits: int) -> int:
 
 
 class SpanBuilder:
-    """Finished spans are built directly as the SDK's ``ReadableSpan`` (every
-    id and timestamp is known already) and handed to the export stage: the
-    tracer API would only add per-span cost (context, sampler, locks)."""
+    """Finished spans go to the export stage either as OTLP ``Span`` bytes,
+    encoded here from the record's fields (when every exporter takes them:
+    no SDK span object is made, and the export queue holds bytes the garbage
+    collector never scans), or as the SDK's ``ReadableSpan`` (other
+    exporters: console, file, tests' in-memory ones). Either way no tracer:
+    every id and timestamp is known already, and the tracer API would only
+    add per-span cost (context, sampler, locks)."""
 
     def __init__(self, providers: Providers, traffic_ratio: float, roster_cap: int) -> None:
         self.sink = providers.spans
         self.resource = providers.resource
         self.scope = InstrumentationScope(SCOPE, __version__)
+        self.encoded_sinks = list(providers.encoded_sinks)
+        self.encoder = SpanEncoder() if self.encoded_sinks else None
         self.ratio = traffic_ratio
         self.cap = roster_cap
         # monotonic -> wall clock, once per process (explicit span timestamps)
@@ -80,25 +94,37 @@ class SpanBuilder:
         if len(values) > self.cap:
             attrs[key + A.LIST_DROPPED_SUFFIX] = len(values) - self.cap
 
-    def _span(self, name: str, parent: SpanContext | None, start_ns: int, end_ns: int,
+    def _span(self, name: str, parent: Ref | None, start_ns: int, end_ns: int,
               attrs: dict[str, Any], *, trace_id: int | None = None, span_id: int | None = None,
-              error: str | None = None, links: list[Link] | None = None,
+              error: str | None = None, links: list[LinkT] | None = None,
               events: list[rec.EpisodeEvent] | None = None) -> None:
-        tid = parent.trace_id if parent is not None else trace_id or _random_id(128)
-        status = _UNSET
+        tid = parent[0] if parent is not None else trace_id or _random_id(128)
+        sid = span_id or _random_id(64)
         if error is not None:
             attrs[A.ERROR_TYPE] = error
-            status = Status(StatusCode.ERROR, error)
         off = self.offset_ns
-        span = ReadableSpan(
-            name, SpanContext(tid, span_id or _random_id(64), is_remote=False,
-                              trace_flags=_SAMPLED),
-            parent, self.resource, {k: v for k, v in attrs.items() if v is not None},
-            events=tuple(Event(e.name, e.attributes, e.t_ns + off) for e in events or ()),
-            links=tuple(links or ()), kind=SpanKind.INTERNAL, status=status,
-            start_time=start_ns + off, end_time=max(end_ns, start_ns) + off,
-            instrumentation_scope=self.scope)
-        self.sink.on_end(span)
+        start, end = start_ns + off, max(end_ns, start_ns) + off
+        if self.encoder is not None:
+            data = self.encoder.encode(
+                name, tid, sid, parent[1] if parent is not None else 0, parent is not None,
+                start, end, attrs,
+                [(e.name, e.t_ns + off, e.attributes, 0) for e in events] if events else (),
+                [(lt, ls, remote, la, 0) for lt, ls, remote, _f, la in links] if links else (),
+                _ERROR if error is not None else 0, error or "")
+            for sink in self.encoded_sinks:
+                sink.on_encoded(self.resource, self.scope, data)
+        else:
+            self.sink.on_end(ReadableSpan(
+                name, SpanContext(tid, sid, is_remote=False, trace_flags=_SAMPLED),
+                _context(parent) if parent is not None else None, self.resource,
+                {k: v for k, v in attrs.items() if v is not None},
+                events=tuple(Event(e.name, e.attributes, e.t_ns + off) for e in events or ()),
+                links=tuple(Link(SpanContext(lt, ls, is_remote=remote,
+                                             trace_flags=TraceFlags(flags)), la)
+                            for lt, ls, remote, flags, la in links or ()),
+                kind=SpanKind.INTERNAL,
+                status=Status(StatusCode.ERROR, error) if error is not None else _UNSET,
+                start_time=start, end_time=end, instrumentation_scope=self.scope))
         self.spans_built += 1
 
     def _traffic_parent(self, sched_gen: str, req_id: str) -> Any | None:
@@ -106,19 +132,20 @@ class SpanBuilder:
         if not identity.traffic_sampled(tid, self.ratio):
             self.unsampled += 1
             return None
-        return _parent(tid, sid)
+        return (tid, sid)
 
     def _trace_for(self, sched_gen: str, req_id: str | None, epoch: int) -> Any | None:
         if req_id is None:
             return None
         if epoch:
-            return _parent(*identity.episode_ids(sched_gen, req_id, epoch))
+            return identity.episode_ids(sched_gen, req_id, epoch)
         return self._traffic_parent(sched_gen, req_id)
 
     @staticmethod
-    def _link(traceparent: str | None) -> list[Link] | None:
+    def _link(traceparent: str | None) -> list[LinkT] | None:
         ctx = parse_traceparent(traceparent)
-        return [Link(ctx, {"kvobs.link": "vllm.request"})] if ctx else None
+        return ([(ctx.trace_id, ctx.span_id, True, ctx.trace_flags, {"kvobs.link": "vllm.request"})]
+                if ctx else None)
 
     # -- records ------------------------------------------------------------------
     def build(self, r: Any) -> None:
@@ -161,7 +188,7 @@ class SpanBuilder:
             return
         else:
             tid = identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch)
-            parent = _parent(tid, identity.job_span_id(r.sched_gen, r.job_id))
+            parent = (tid, identity.job_span_id(r.sched_gen, r.job_id))
         attrs: dict[str, Any] = {
             A.REQUEST_ID: r.req_id, A.JOB_ID: r.job_id, A.DIRECTION: r.direction,
             A.BLOCKS: r.blocks, A.RANK: r.rank, A.WORKER_GEN: r.worker_gen,
@@ -188,7 +215,7 @@ class SpanBuilder:
             parent = None
         else:
             tid, _ = identity.episode_ids(r.sched_gen, r.req_id, r.epoch)
-            parent = _parent(tid, identity.admission_span_id(r.sched_gen, r.req_id, r.epoch))
+            parent = (tid, identity.admission_span_id(r.sched_gen, r.req_id, r.epoch))
         self._span(A.SPAN_FIRST_COMPUTE, parent, r.start_ns, r.end_ns, attrs)
 
     def _episode(self, r: rec.EpisodeRecord) -> None:
@@ -214,8 +241,7 @@ class SpanBuilder:
         links = list(self._link(r.traceparent) or [])
         rtid, rsid = identity.request_ids(r.sched_gen, r.req_id)
         if identity.traffic_sampled(rtid, self.ratio):
-            links.append(Link(SpanContext(rtid, rsid, is_remote=True, trace_flags=_SAMPLED),
-                              {"kvobs.link": "kv.request"}))
+            links.append((rtid, rsid, True, _SAMPLED, {"kvobs.link": "kv.request"}))
         self._span(A.SPAN_RECOVERY, None, r.start_ns, r.end_ns, attrs, trace_id=tid,
                    span_id=sid, error=r.outcome if failed else None, links=links or None,
                    events=r.events)
@@ -225,7 +251,7 @@ class SpanBuilder:
                                    A.COMPUTE_KIND: r.compute_kind or "",
                                    A.SCHED_GEN: r.sched_gen}
             self._ids_list(adm, A.ROSTER, sorted(r.restore_jobs))
-            self._span(A.SPAN_ADMISSION, _parent(tid, sid), min(ready, r.admitted_ns),
+            self._span(A.SPAN_ADMISSION, (tid, sid), min(ready, r.admitted_ns),
                        r.admitted_ns, adm,
                        span_id=identity.admission_span_id(r.sched_gen, r.req_id, r.epoch))
 

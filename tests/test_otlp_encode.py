@@ -24,13 +24,18 @@ def same(encoder: SpanEncoder, spans: list) -> None:
     assert ours == encode_spans(spans)
 
 
-def test_every_span_of_a_real_recovery(observe):
+def recovery_with_link_and_traffic() -> None:
+    """A real recovery whose request carries a W3C traceparent, and a plain request."""
     with Harness(HarnessConfig(num_ranks=2)) as h:
-        start_recovery(h, "enc", trace_headers={
+        start_recovery(h, "rec", trace_headers={
             "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
         h.add_request("plain", 48, max_tokens=6)
         h.run_until_idle(400)
     current_pipeline().flush()
+
+
+def test_every_span_of_a_real_recovery(observe):
+    recovery_with_link_and_traffic()
     spans = list(observe.spans())
     assert {s.name for s in spans} >= {"kv.recovery", "kv.job", "kv.transfer", "kv.admission",
                                        "kv.first_compute", "kv.request"}
@@ -66,12 +71,7 @@ def test_spans_encoded_by_the_builder_are_the_sdk_spans_it_would_build(observe, 
     records: list = []
     emit = Observer.emit
     monkeypatch.setattr(Observer, "emit", lambda self, r: (records.append(r), emit(self, r)))
-    with Harness(HarnessConfig(num_ranks=2)) as h:
-        start_recovery(h, "dir", trace_headers={
-            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
-        h.add_request("plain", 48, max_tokens=6)
-        h.run_until_idle(400)
-    current_pipeline().flush()
+    recovery_with_link_and_traffic()
     assert {type(r).__name__ for r in records} >= {
         "EpisodeRecord", "JobRecord", "TransferRecord", "FirstComputeRecord", "RequestRecord"}
 

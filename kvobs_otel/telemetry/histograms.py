@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from opentelemetry.sdk.metrics import Exemplar
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     HistogramDataPoint,
@@ -38,10 +37,17 @@ from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+try:  # exemplars in the SDK's data model since 1.28
+    from opentelemetry.sdk.metrics import Exemplar
+except ImportError:  # pragma: no cover - older SDKs: histograms without exemplars
+    Exemplar = None
+
 AttrKey = tuple[tuple[str, Any], ...]
 
 
 def exemplars_enabled() -> bool:
+    if Exemplar is None:
+        return False
     return os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "").strip().lower() != "always_off"
 
 
@@ -126,12 +132,14 @@ class ExplicitHistogram:
         points = []
         for key, p, t0 in rows:
             ex = interval.get(key)
+            extra = {}
+            if ex is not None and ex.exemplars:
+                extra["exemplars"] = [Exemplar({}, v, ts, sid, tid)
+                                      for v, ts, tid, sid in ex.exemplars.values()]
             points.append(HistogramDataPoint(
                 attributes=dict(key), start_time_unix_nano=t0, time_unix_nano=now,
                 count=p.count, sum=p.sum, bucket_counts=tuple(p.buckets),
-                explicit_bounds=self.bounds, min=p.min, max=p.max,
-                exemplars=[Exemplar({}, v, ts, sid, tid)
-                           for v, ts, tid, sid in (ex.exemplars.values() if ex else ())]))
+                explicit_bounds=self.bounds, min=p.min, max=p.max, **extra))
         return Metric(self.name, self.description, self.unit,
                       HistogramData(points, temporality))
 

@@ -145,7 +145,11 @@ class ExplicitHistogram:
 
 
 class Histograms:
-    """The histograms of one MeterProvider, merged into every collection."""
+    """The histograms of one MeterProvider, merged into every collection.
+
+    A collection takes the measurements made since the previous one, so a
+    provider has one reader (as every provider kvobs-otel makes has): two
+    readers would each see part of the deltas."""
 
     def __init__(self, resource: Resource, scope: InstrumentationScope) -> None:
         self.resource, self.scope = resource, scope

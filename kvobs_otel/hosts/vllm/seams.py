@@ -119,16 +119,15 @@ class SchedulerSeams:
             self.pipeline.count_error("seam")
 
     def _admissions(self, so: Any, out: dict[str, tuple[int, str]]) -> None:
-        # V2 runner reports a resume in scheduled_new_reqs, V1 in resumed_req_ids.
+        # A request with an open episode was preempted and not yet re-admitted:
+        # if this step schedules tokens for it, this step resumes it (the V2
+        # runner sends it in scheduled_new_reqs, V1 in resumed_req_ids; vLLM
+        # unschedules a request it preempts within the same step). The open
+        # episodes are few; the step's requests may be many.
         n = so.num_scheduled_tokens
-        candidates = [nr.req_id for nr in so.scheduled_new_reqs]
-        resumed = getattr(so.scheduled_cached_reqs, "resumed_req_ids", None)
-        if resumed:
-            candidates.extend(resumed)
-        for r in candidates:
-            epoch = self.open.get(r)
-            tokens = n.get(r, 0)
-            if epoch is not None and tokens > 0:
+        for r, epoch in self.open.items():
+            tokens = n.get(r)
+            if tokens:
                 # All KV back: only the next token is computed.
                 out[r] = (epoch, COMPUTE_DECODE if tokens == 1 else COMPUTE_PREFILL)
 

@@ -168,6 +168,17 @@ def run(quick: bool) -> Result:
                    samples, time.monotonic() - t_start)
 
 
+def _weighted_median(values: dict[str, float], weights: dict[str, float]) -> float:
+    """The median of a cost over events, each seam weighing as its events."""
+    acc = 0.0
+    ranked = sorted(values, key=values.__getitem__)
+    for k in ranked:
+        acc += weights[k]
+        if acc >= 0.5:
+            return values[k]
+    return values[ranked[-1]]
+
+
 def _result(seams: dict[str, dict[str, Any]], captured: dict[str, int], workload: dict[str, int],
             errors: dict[str, int], naive_spans: int, disabled_check: dict[str, Any],
             samples: int, seconds: float) -> Result:
@@ -185,25 +196,27 @@ def _result(seams: dict[str, dict[str, Any]], captured: dict[str, int], workload
                  for i in range(samples)]
     calls_mix = [sum(weights[k] * seams[k]["_calls_samples"][i] for k in seams)
                  for i in range(samples)]
+    # As the issue states the goals: the median cost per event over the
+    # workload's events (each seam counted as often as it produced events),
+    # per round; the worst seam is reported beside them.
+    median_rounds = [_weighted_median({k: seams[k]["_enabled_samples"][i] for k in seams},
+                                      weights) for i in range(samples)]
+    naive_rounds = [_weighted_median({k: seams[k]["_naive_samples"][i] for k in seams},
+                                     weights) for i in range(samples)]
     goals = [
         Goal("disabled/uninstrumented time per seam call (nothing patched; all seams pooled)",
              Spread.of(pooled_disabled), "<=", 1.02),
-        Goal(f"enabled cost per event, worst seam ({worst_enabled})",
-             seams[worst_enabled]["enabled_us_per_event"], "<=", 2.0, unit=" us", fmt=".2f"),
-        Goal(f"naive SDK span / enabled cost per event, worst seam ({worst_ratio})",
-             seams[worst_ratio]["naive_over_enabled"], ">=", 8.0, fmt=".1f"),
+        Goal("enabled cost per event, median over the workload's events",
+             Spread.of(median_rounds), "<=", 2.0, unit=" us", fmt=".2f"),
+        Goal("naive SDK span / enabled cost per event, medians over the workload's events",
+             Spread.of(paired_ratios(naive_rounds, median_rounds)), ">=", 8.0, fmt=".1f"),
     ]
-    # The median of the per-event cost over the workload's events: each seam's
-    # median cost, counted as often as the workload produced its events.
-    ranked = sorted(seams, key=lambda k: seams[k]["enabled_us_per_event"].median)
-    acc, median_event = 0.0, seams[ranked[-1]]["enabled_us_per_event"].median
-    for k in ranked:
-        acc += weights[k]
-        if acc >= 0.5:
-            median_event = seams[k]["enabled_us_per_event"].median
-            break
-    info = [f"median enabled cost over the workload's events (per-seam medians weighted by "
-            f"the events each produced): {median_event:.2f} us",
+    worst = seams[worst_enabled]["enabled_us_per_event"]
+    worst_r = seams[worst_ratio]["naive_over_enabled"]
+    info = [f"worst seam, enabled cost per event: {worst_enabled} "
+            f"{worst.text('.2f', ' us')}" + (" (above 2 us)" if worst.median > 2.0 else ""),
+            f"worst seam, naive / enabled: {worst_ratio} {worst_r.text('.1f', 'x')}"
+            + (" (below 8x)" if worst_r.median < 8.0 else ""),
             f"average enabled cost per event over the workload's event mix: "
             f"{Spread.of(mix).text('.2f', ' us')}; mean over samples "
             f"{sum(mix) / len(mix):.2f} us (includes GC pauses)",

@@ -22,7 +22,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-_LEN, _VARINT, _I64, _I32 = 2, 0, 1, 5
+_LEN = 2  # wire type of length-delimited fields
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
@@ -51,13 +51,13 @@ def _varint(n: int) -> bytes:
     return _SMALL[n] if 0 <= n < 16384 else _varint_slow(n)
 
 
-def _tag(field: int, wire: int) -> bytes:
-    return _varint(field << 3 | wire)
+_LEN_TAGS = tuple(_varint_slow(f << 3 | _LEN) for f in range(64))
 
 
 def _field(field: int, payload: bytes) -> bytes:
     """A length-delimited field."""
-    return _tag(field, _LEN) + _varint(len(payload)) + payload
+    n = len(payload)
+    return _LEN_TAGS[field] + (_SMALL[n] if n < 16384 else _varint_slow(n)) + payload
 
 
 def _string(field: int, s: str) -> bytes:
@@ -97,6 +97,7 @@ class SpanEncoder:
 
     def __init__(self) -> None:
         self._kv: dict[tuple[int, str, type, Any], bytes] = {}
+        self._keys: dict[str, bytes] = {}
         self._strings: dict[str, bytes] = {}
         self._resources: dict[int, tuple[Any, bytes]] = {}
         self._scopes: dict[int, tuple[Any, bytes]] = {}
@@ -104,7 +105,8 @@ class SpanEncoder:
 
     def _attributes(self, field: int, attributes: Mapping[str, Any] | None) -> bytes:
         """Repeated KeyValue field ``field``; each framed pair cached by
-        (field, key, type, value): True and 1 must not share an entry."""
+        (field, key, type, value): True and 1 must not share an entry.
+        Floats (durations) hardly ever repeat: encoded, not cached."""
         if not attributes:
             return b""
         kv = self._kv
@@ -112,19 +114,32 @@ class SpanEncoder:
         for key, value in attributes.items():
             if value is None:
                 continue
+            if value.__class__ is float:
+                parts.append(_field(field, self._key(key) + b"\x12\x09\x21" + _pack_d(value)))
+                continue
             cache_key = (field, key, value.__class__, value)
             try:
                 framed = kv.get(cache_key)
             except TypeError:  # unhashable (a list): encoded every time
-                parts.append(_field(field, _key_value(key, value)))
+                parts.append(_field(field, self._key(key) + _field(2, _any(value))))
                 continue
             if framed is None:
-                framed = _field(field, _key_value(key, value))
+                framed = _field(field, self._key(key) + _field(2, _any(value)))
                 if len(kv) >= self._CACHE:
                     kv.clear()
                 kv[cache_key] = framed
             parts.append(framed)
         return b"".join(parts)
+
+    def _key(self, key: str) -> bytes:
+        """KeyValue.key, framed."""
+        out = self._keys.get(key)
+        if out is None:
+            out = _field(1, key.encode("utf-8"))
+            if len(self._keys) >= self._CACHE:
+                self._keys.clear()
+            self._keys[key] = out
+        return out
 
     def _name(self, field: int, s: str) -> bytes:
         key = f"{field}:{s}"

@@ -51,12 +51,13 @@ def exemplars_enabled() -> bool:
     return os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "").strip().lower() != "always_off"
 
 
-class _Interval:
-    """Measurements of one attribute set since the last collection."""
+class _Point:
+    """One attribute set's aggregate: of the measurements since the last
+    collection (with their exemplars), or of all of them (the running total)."""
 
-    __slots__ = ("count", "sum", "min", "max", "buckets", "exemplars")
+    __slots__ = ("count", "sum", "min", "max", "buckets", "exemplars", "start_ns")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, start_ns: int = 0) -> None:
         self.count = 0
         self.sum = 0.0
         self.min = float("inf")
@@ -64,17 +65,6 @@ class _Interval:
         self.buckets = [0] * n
         # bucket -> (value, time_unix_nano, trace_id, span_id)
         self.exemplars: dict[int, tuple[float, int, int, int]] = {}
-
-
-class _Total:
-    __slots__ = ("count", "sum", "min", "max", "buckets", "start_ns")
-
-    def __init__(self, n: int, start_ns: int) -> None:
-        self.count = 0
-        self.sum = 0.0
-        self.min = float("inf")
-        self.max = float("-inf")
-        self.buckets = [0] * n
         self.start_ns = start_ns
 
 
@@ -88,8 +78,8 @@ class ExplicitHistogram:
         self.exemplars = exemplars_enabled() if exemplars is None else exemplars
         self._n = len(self.bounds) + 1
         self._lock = threading.Lock()
-        self._interval: dict[AttrKey, _Interval] = {}
-        self._totals: dict[AttrKey, _Total] = {}
+        self._interval: dict[AttrKey, _Point] = {}
+        self._totals: dict[AttrKey, _Point] = {}
         self._last_collect_ns = time.time_ns()
 
     def record(self, key: AttrKey, value: float, trace_id: int = 0, span_id: int = 0) -> None:
@@ -97,7 +87,7 @@ class ExplicitHistogram:
         with self._lock:
             p = self._interval.get(key)
             if p is None:
-                p = self._interval[key] = _Interval(self._n)
+                p = self._interval[key] = _Point(self._n)
             p.count += 1
             p.sum += value
             if value < p.min:
@@ -116,7 +106,7 @@ class ExplicitHistogram:
             for key, p in interval.items():  # fold into the running totals
                 t = self._totals.get(key)
                 if t is None:
-                    t = self._totals[key] = _Total(self._n, start)
+                    t = self._totals[key] = _Point(self._n, start)
                 t.count += p.count
                 t.sum += p.sum
                 t.min = min(t.min, p.min)

@@ -115,21 +115,25 @@ class SpanEncoder:
             if value is None:
                 continue
             if value.__class__ is float:
-                parts.append(_field(field, self._key(key) + b"\x12\x09\x21" + _pack_d(value)))
+                parts.append(self._pair(field, key, value))
                 continue
             cache_key = (field, key, value.__class__, value)
             try:
                 framed = kv.get(cache_key)
             except TypeError:  # unhashable (a list): encoded every time
-                parts.append(_field(field, self._key(key) + _field(2, _any(value))))
+                parts.append(self._pair(field, key, value))
                 continue
             if framed is None:
-                framed = _field(field, self._key(key) + _field(2, _any(value)))
+                framed = self._pair(field, key, value)
                 if len(kv) >= self._CACHE:
                     kv.clear()
                 kv[cache_key] = framed
             parts.append(framed)
         return b"".join(parts)
+
+    def _pair(self, field: int, key: str, value: Any) -> bytes:
+        """One KeyValue, framed as field ``field``."""
+        return _field(field, self._key(key) + _field(2, _any(value)))
 
     def _key(self, key: str) -> bytes:
         """KeyValue.key, framed."""

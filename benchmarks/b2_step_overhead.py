@@ -100,7 +100,7 @@ def _compare(a: list[list[int]], b: list[list[int]], ns_a: list[int], ns_b: list
 def run(quick: bool) -> Result:
     t_start = time.monotonic()
     variants = ("uninstrumented", "enabled") if quick else (
-        "uninstrumented", "disabled", "unobserved", "enabled", "enabled_no_drain")
+        "uninstrumented", "disabled", "unobserved", "enabled", "seams_only")
     blocks, reps = (1, 1) if quick else (BLOCKS, REPS)
     rng = random.Random(2)
     progress(f"B2: starting {1 if quick else 2} zygote process(es)")
@@ -152,28 +152,33 @@ def _sum_fields(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _observed(finals: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    """Events the enabled variant observed (warm-ups excluded), and its counters."""
-    accepted = 0
-    for f in finals:
-        e = f["enabled"]
-        accepted += e["after"].get("events_accepted", 0) - e["before"].get("events_accepted", 0)
-    return accepted, _sum_fields([f["enabled"]["after"] for f in finals])
+def _timed_count(finals: list[dict[str, Any]], variant: str, key: str) -> int:
+    """A counter's growth over the timed repeats (warm-ups excluded)."""
+    return sum(f[variant]["after"].get(key, 0) - f[variant]["before"].get(key, 0)
+               for f in finals)
 
 
 def _result(variants: tuple[str, ...], ns: dict[str, list[int]],
             per_rep: dict[str, list[list[int]]], finals: list[dict[str, Any]],
             sink: dict[str, Any], rounds: int, blocks: int, reps: int, seconds: float
             ) -> Result:
-    accepted, enabled_after = _observed(finals)
+    accepted = _timed_count(finals, "enabled", "events_accepted")
+    enabled_after = _sum_fields([f["enabled"]["after"] for f in finals])
     spans = sink["spans"].get("enabled", {})
     if accepted <= 0 or sum(spans.values()) <= 0 or not spans.get("kv.recovery"):
         raise RuntimeError(f"B2: the enabled variant observed nothing ({accepted} events, "
                            f"spans {spans})")
+    if "seams_only" in variants:
+        # Same workload, same seams: the diagnostic must have offered exactly
+        # what enabled recorded, or its ratio would not mean what it says.
+        offered = _timed_count(finals, "seams_only", "events_offered")
+        if offered != accepted:
+            raise RuntimeError(f"B2: seams_only offered {offered} events, enabled "
+                               f"recorded {accepted}")
     pairs = {f"{a}/{b}": _compare(per_rep[a], per_rep[b], ns[a], ns[b])
              for a, b in (("enabled", "disabled"), ("disabled", "uninstrumented"),
                           ("unobserved", "uninstrumented"), ("enabled", "uninstrumented"),
-                          ("enabled", "enabled_no_drain"))
+                          ("seams_only", "disabled"), ("enabled", "seams_only"))
              if a in variants and b in variants}
     base = "disabled" if "disabled" in variants else "uninstrumented"
     e_key = f"enabled/{base}"
@@ -215,6 +220,20 @@ def _result(variants: tuple[str, ...], ns: dict[str, list[int]],
                     f"threads {(process - serving) / steps / 1e3:.0f} us/step; GC collections "
                     f"{g['collections']} taking {[round(x / 1e6) for x in g['ns']]} ms "
                     "(gen0, gen1, gen2; incl. rebuilds between repeats)")
+
+    def cpu_us(v: str) -> tuple[float, float]:
+        c = totals[v]["cpu"]
+        serving = c["steps_serving_thread_ns"]
+        return serving / steps / 1e3, (c["steps_process_ns"] - serving) / steps / 1e3
+
+    # CPU time is far less noisy than wall time here (identical variants
+    # agree within a few us per step): the cost in absolute terms.
+    (bs, bo), (es, eo) = cpu_us(base), cpu_us("enabled")
+    line = (f"CPU per step over {base}: enabled serving thread {es - bs:+.0f} us "
+            f"({(es - bs) / bs:+.1%}), other threads {eo - bo:+.0f} us")
+    if "seams_only" in variants:
+        line += f"; seams_only serving thread {cpu_us('seams_only')[0] - bs:+.0f} us"
+    info.append(line)
     data = {
         "chunk_steps": CHUNK, "blocks": blocks, "reps_per_block": reps, "rounds": rounds,
         "variants": list(variants), "workload_per_rep": workload,

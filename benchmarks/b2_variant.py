@@ -28,10 +28,12 @@ Variants (what a user gets):
   coordinator's loopback sink (benchmarks/otlp_sink.py): seams, bounded
   buffer, drain thread every 50 ms, spans and metrics built, encoded and
   sent by kvobs-otel's own export stage, as in a deployment.
-- ``enabled_no_drain`` (diagnostic, not a product setting): enabled with the
-  drain thread held off for the length of a repeat (its events wait in the
-  buffer); ``enabled`` over it is what the drain and export threads add to
-  the steps.
+- ``seams_only`` (diagnostic, not a product setting): enabled, but the
+  buffer counts each offered event and discards it, so the drain and export
+  threads idle. ``seams_only`` over ``disabled`` is what the seams cost the
+  serving thread (wrappers, tuples, the step metadata's extension and its
+  pickling); ``enabled`` over ``seams_only`` is what keeping, draining and
+  exporting the events adds.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from typing import IO, Any
 from benchmarks.common import apply_clean_env, protocol_stream, reply, single_thread_torch
 from benchmarks.workload import QUICK_SHAPE, HeavyOffload, WorkloadShape, harness_config
 
-VARIANTS = ("uninstrumented", "disabled", "unobserved", "enabled", "enabled_no_drain")
+VARIANTS = ("uninstrumented", "disabled", "unobserved", "enabled", "seams_only")
 EXPLICIT = {"connector": "KvobsOffloadingConnector",
             "connector_module_path": "kvobs_otel.connector",
             "extra_env": {"KVOBS_OTEL_ENABLED": "0"}}
@@ -82,18 +84,25 @@ class Variant:
 
         self.name, self.shape = name, shape
         self.kvobs, self.settings = kvobs_otel, Settings(enabled=True)
-        self.observing = name.startswith("enabled")
+        self.observing = name in ("enabled", "seams_only")
+        self.discarded = 0
         if self.observing:
             # What a user configures: OTLP/HTTP to an endpoint (the
             # coordinator's sink), traces and metrics.
             os.environ.update({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
                                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                                "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
-        if name == "enabled_no_drain":
-            # Diagnostic: the drain thread waits out each repeat (10 s, the
-            # longest interval allowed; the buffer holds a repeat's events),
-            # so enabled / enabled_no_drain shows what draining adds.
-            self.settings = Settings(enabled=True, drain_interval_s=10.0)
+        if name == "seams_only":
+            # Diagnostic: every event the seams offer is counted and dropped
+            # on arrival (the pipeline binds EventBuffer.offer when the first
+            # connector attaches, after this).
+            from kvobs_otel.buffer import EventBuffer
+
+            def discard(buffer: EventBuffer, event: tuple[Any, ...]) -> bool:
+                self.discarded += 1
+                return True
+
+            EventBuffer.offer = discard  # type: ignore[method-assign]
         if self.observing and not kvobs_otel.instrument(self.settings):
             raise RuntimeError("instrument(Settings(enabled=True)) did not activate")
 
@@ -122,7 +131,9 @@ class Variant:
 
         p = current_pipeline()
         out: dict[str, Any] = {}
-        if p is not None:
+        if self.name == "seams_only":
+            out = {"events_offered": self.discarded}
+        elif p is not None:
             out = {"events_accepted": p.buffer.accepted, "events_dropped": p.drop_counts(),
                    "errors": p.error_counts()}
         return out

@@ -44,31 +44,67 @@ def _init(orig):
     return __init__
 
 
-def _after(method: str, pass_result: bool = False):
-    """Call vLLM, then the seam ``method`` (with the result when asked)."""
+def _after(method: str):
+    """Call vLLM, then the seam ``method`` with the same arguments."""
     def make(orig):
         def wrapper(self, *args, **kwargs):
             result = orig(self, *args, **kwargs)
             s = self.__dict__.get(_ATTR)
             if s is not None:
-                if pass_result:
-                    return getattr(s, method)(result)
                 getattr(s, method)(*args, **kwargs)
             return result
         return wrapper
     return make
 
 
-def _before(method: str):
-    """Call the seam ``method`` first (it must see the input vLLM may mutate)."""
-    def make(orig):
-        def wrapper(self, *args, **kwargs):
-            s = self.__dict__.get(_ATTR)
-            if s is not None:
-                getattr(s, method)(*args, **kwargs)
-            return orig(self, *args, **kwargs)
-        return wrapper
-    return make
+# Per-step seams: wrappers spelled out, without the generic ones' getattr and
+# argument re-packing (the seams' cost on the serving thread is mostly the
+# Python they run, cold, every step). Each keeps vLLM's parameter name, so a
+# keyword call still works, and passes on anything else it is given.
+def _note_meta_handle(orig):
+    def handle_preemptions(self, kv_connector_metadata, *args, **kwargs):
+        s = self.__dict__.get(_ATTR)
+        if s is not None and s.last_meta is not kv_connector_metadata:
+            s.note_meta(kv_connector_metadata)
+        return orig(self, kv_connector_metadata, *args, **kwargs)
+    return handle_preemptions
+
+
+def _note_meta_bind(orig):
+    def bind_connector_metadata(self, connector_metadata, *args, **kwargs):
+        s = self.__dict__.get(_ATTR)
+        if s is not None and s.last_meta is not connector_metadata:
+            s.note_meta(connector_metadata)
+        return orig(self, connector_metadata, *args, **kwargs)
+    return bind_connector_metadata
+
+
+def _wait_for_save(orig):
+    def wait_for_save(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        s = self.__dict__.get(_ATTR)
+        if s is not None:
+            s.after_save()
+        return result
+    return wait_for_save
+
+
+def _worker_meta(orig):
+    def build_connector_worker_meta(self, *args, **kwargs):
+        meta = orig(self, *args, **kwargs)
+        s = self.__dict__.get(_ATTR)
+        return meta if s is None else s.worker_meta(meta)
+    return build_connector_worker_meta
+
+
+def _connector_output(orig):
+    def update_connector_output(self, connector_output, *args, **kwargs):
+        result = orig(self, connector_output, *args, **kwargs)
+        s = self.__dict__.get(_ATTR)
+        if s is not None:
+            s.after_connector_output(connector_output)
+        return result
+    return update_connector_output
 
 
 def _build_meta(orig):
@@ -85,7 +121,9 @@ def _start_load(orig):
     def start_load_kv(self, forward_context, **kwargs):
         s = self.__dict__.get(_ATTR)
         if s is not None:
-            s.note_meta(self._connector_metadata)
+            meta = self._connector_metadata
+            if s.last_meta is not meta:
+                s.note_meta(meta)
             s.on_start_load(forward_context, kwargs)
         return orig(self, forward_context, **kwargs)
     return start_load_kv
@@ -158,16 +196,16 @@ def patch_classes(settings: Settings) -> None:
     # scheduler role
     _wrap(C, "on_new_request", _after("on_new_request"))
     _wrap(C, "build_connector_meta", _build_meta)
-    _wrap(C, "update_connector_output", _after("after_connector_output"))
+    _wrap(C, "update_connector_output", _connector_output)
     _wrap(C, "request_finished", _after("on_request_finished"))
     _wrap(C, "request_finished_all_groups", _after("on_request_finished"))
     _wrap(C, "reset_cache", _after("on_reset_cache"))
     # worker role
-    _wrap(C, "handle_preemptions", _before("note_meta"))
-    _wrap(C, "bind_connector_metadata", _before("note_meta"))
+    _wrap(C, "handle_preemptions", _note_meta_handle)
+    _wrap(C, "bind_connector_metadata", _note_meta_bind)
     _wrap(C, "start_load_kv", _start_load)
-    _wrap(C, "wait_for_save", _after("after_save"))
-    _wrap(C, "build_connector_worker_meta", _after("worker_meta", pass_result=True))
+    _wrap(C, "wait_for_save", _wait_for_save)
+    _wrap(C, "build_connector_worker_meta", _worker_meta)
     _wrap(C, "register_kv_caches", _register_kv_caches)
     _wrap(OffloadingConnectorWorker, "_init_worker", _init_worker)
     # both

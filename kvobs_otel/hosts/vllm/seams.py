@@ -186,7 +186,8 @@ class WorkerSeams:
         self.consumer = self.observer.lifecycle
         self.offer = pipeline.offer
         self.sched_gen = ""
-        self._last_meta: Any = None
+        # The step metadata note_meta saw last (the wrappers check it first).
+        self.last_meta: Any = None
         # req_id -> (epoch, compute_kind, sched_gen): admitted, first compute due.
         self.pending: dict[str, tuple[int, str, str]] = {}
         self._bind_ns = 0
@@ -198,10 +199,10 @@ class WorkerSeams:
     # -- per step ---------------------------------------------------------------
     def note_meta(self, meta: Any) -> None:
         """First sight of this step's metadata (handle_preemptions or bind)."""
-        if meta is self._last_meta:
+        if meta is self.last_meta:
             return
         try:
-            self._last_meta = meta
+            self.last_meta = meta
             self._bind_ns = t = _now()
             self._forward = False
             self._forward_reqs = None
@@ -309,10 +310,11 @@ class WorkerSeams:
         def observed_get_finished() -> Any:
             results = get_finished()
             try:
-                t = _now()
-                for r in results:
-                    offer((consumer, ev.W_RESULT, t, r.job_id, bool(r.success),
-                           r.transfer_size, r.transfer_time))
+                if results:  # most steps finish nothing
+                    t = _now()
+                    for r in results:
+                        offer((consumer, ev.W_RESULT, t, r.job_id, bool(r.success),
+                               r.transfer_size, r.transfer_time))
             except Exception:
                 count("seam")
             return results

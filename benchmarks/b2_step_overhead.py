@@ -226,8 +226,8 @@ def _result(variants: tuple[str, ...], ns: dict[str, list[int]],
         serving = c["steps_serving_thread_ns"]
         return serving / steps / 1e3, (c["steps_process_ns"] - serving) / steps / 1e3
 
-    # CPU time is far less noisy than wall time here (identical variants
-    # agree within a few us per step): the cost in absolute terms.
+    # CPU time is less noisy than wall time here (processes running identical
+    # code differ by ~0.1-2% of a step): the cost in absolute terms.
     (bs, bo), (es, eo) = cpu_us(base), cpu_us("enabled")
     line = (f"CPU per step over {base}: enabled serving thread {es - bs:+.0f} us "
             f"({(es - bs) / bs:+.1%}), other threads {eo - bo:+.0f} us")

@@ -179,7 +179,7 @@ def facade_replay(cap: Capture, name: str, target: int, naive: NaiveSpans | None
     original = wrapper.__wrapped__
     seams = cap.scheduler_seams if role == "scheduler" else cap.worker_seams
     if method == "note_meta" and len(calls) == 1:
-        # The seam skips a metadata object it has just seen: alternate two.
+        # The wrapper skips a metadata object just seen: alternate two.
         calls = calls + [Call(*_recopy(calls[0]))]
     metas = {id(c.args[0]): c.args[1] for c in calls if method == "after_build_meta"}
 

@@ -186,7 +186,7 @@ class WorkerSeams:
         self.consumer = self.observer.lifecycle
         self.offer = pipeline.offer
         self.sched_gen = ""
-        # The step metadata note_meta saw last (the wrappers check it first).
+        # The step metadata note_meta saw last.
         self.last_meta: Any = None
         # req_id -> (epoch, compute_kind, sched_gen): admitted, first compute due.
         self.pending: dict[str, tuple[int, str, str]] = {}
@@ -198,9 +198,9 @@ class WorkerSeams:
 
     # -- per step ---------------------------------------------------------------
     def note_meta(self, meta: Any) -> None:
-        """First sight of this step's metadata (handle_preemptions or bind)."""
-        if meta is self.last_meta:
-            return
+        """First sight of this step's metadata. The wrappers of its three
+        entry points (handle_preemptions, bind, start_load_kv) call it only
+        when ``meta`` is not ``last_meta``."""
         try:
             self.last_meta = meta
             self._bind_ns = t = _now()

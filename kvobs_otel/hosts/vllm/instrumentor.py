@@ -83,7 +83,7 @@ def _wait_for_save(orig):
     def wait_for_save(self, *args, **kwargs):
         result = orig(self, *args, **kwargs)
         s = self.__dict__.get(_ATTR)
-        if s is not None:
+        if s is not None and s.pending:
             s.after_save()
         return result
     return wait_for_save
@@ -93,7 +93,9 @@ def _worker_meta(orig):
     def build_connector_worker_meta(self, *args, **kwargs):
         meta = orig(self, *args, **kwargs)
         s = self.__dict__.get(_ATTR)
-        return meta if s is None else s.worker_meta(meta)
+        if s is None or (meta is None and not s.computed):
+            return meta
+        return s.worker_meta(meta)
     return build_connector_worker_meta
 
 
@@ -124,7 +126,8 @@ def _start_load(orig):
             meta = self._connector_metadata
             if s.last_meta is not meta:
                 s.note_meta(meta)
-            s.on_start_load(forward_context, kwargs)
+            if s.pending:
+                s.on_start_load(forward_context, kwargs)
         return orig(self, forward_context, **kwargs)
     return start_load_kv
 

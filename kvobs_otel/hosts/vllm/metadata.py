@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
+    TransferStats,
 )
 
 STEP_ATTR = "kvobs_step"
@@ -37,3 +38,20 @@ class ReceiptWorkerMetadata(OffloadingWorkerMetadata):
             reporters=self.reporters + getattr(other, "reporters", ()),
             computed=self.computed + getattr(other, "computed", ()),
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Every rank pickles one of these per step that finished a transfer or
+        # a first compute, and the scheduler unpickles them all. The default
+        # form (the class, a dict of field names, and the classes of the
+        # transfer stats, each looked up by import on both sides) cost the
+        # serving thread more than everything else kvobs-otel does per step;
+        # this one is a function and a tuple, and empty stats travel as None.
+        stats = self.transfer_stats
+        return (_rebuild, (self.completed_jobs, None if stats.is_empty() else stats,
+                           self.reporters, self.computed))
+
+
+def _rebuild(completed_jobs: dict[int, int], stats: TransferStats | None,
+             reporters: tuple[Any, ...], computed: tuple[Any, ...]) -> ReceiptWorkerMetadata:
+    return ReceiptWorkerMetadata(completed_jobs, stats if stats is not None else TransferStats(),
+                                 reporters, computed)

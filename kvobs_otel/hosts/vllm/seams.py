@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferStats
+
 from kvobs_otel import identity
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.platform import device_type, vllm_version
@@ -23,6 +25,7 @@ from kvobs_otel.pipeline import Observer, Pipeline
 from kvobs_otel.telemetry import attributes as A
 
 _now = time.monotonic_ns
+ANY_BATCH = object()  # a V1 forward: every pending request is in the batch
 
 
 def _blocks(spec: Any) -> int:
@@ -191,27 +194,32 @@ class WorkerSeams:
         # req_id -> (epoch, compute_kind, sched_gen): admitted, first compute due.
         self.pending: dict[str, tuple[int, str, str]] = {}
         self._bind_ns = 0
-        self._forward = False
-        self._forward_reqs: Any = None
-        self._computed: list[tuple[int, str, str, int]] = []
+        # This step's forward: None (none yet), ANY_BATCH (V1: the batch is
+        # not passed) or the batch's request ids (V2).
+        self.forward: Any = None
+        # (rank, worker_gen, req_id, epoch) of first computes not yet reported.
+        self.computed: list[tuple[int, str, str, int]] = []
         self._wrapped: list[tuple[Any, tuple[str, ...]]] = []
 
     # -- per step ---------------------------------------------------------------
+    # The wrappers call these only when there can be something to record (see
+    # instrumentor.py): the seams run on every step of every rank.
     def note_meta(self, meta: Any) -> None:
-        """First sight of this step's metadata. The wrappers of its three
-        entry points (handle_preemptions, bind, start_load_kv) call it only
-        when ``meta`` is not ``last_meta``."""
+        """First sight of this step's metadata (``meta`` is not ``last_meta``)."""
         try:
             self.last_meta = meta
-            self._bind_ns = t = _now()
-            self._forward = False
-            self._forward_reqs = None
+            self.forward = None
+            # The scheduler's seam extends the metadata of every step that has
+            # jobs, preemptions, open episodes or admissions; others carry nothing.
             step = getattr(meta, STEP_ATTR, None)
-            episodes: dict[str, int] = {}
-            if step is not None:
-                self.sched_gen, episodes, admitted = step
-                for r, (epoch, kind) in admitted.items():
-                    self.pending[r] = (epoch, kind, self.sched_gen)
+            if step is None and not self.pending:
+                return
+            self._bind_ns = t = _now()
+            if step is None:
+                return
+            self.sched_gen, episodes, admitted = step
+            for r, (epoch, kind) in admitted.items():
+                self.pending[r] = (epoch, kind, self.sched_gen)
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             if loads or stores or flushed:
                 self.offer((self.consumer, ev.W_STEP, t, self.sched_gen,
@@ -224,50 +232,50 @@ class WorkerSeams:
             self.pipeline.count_error("seam")
 
     def on_start_load(self, forward_context: Any, kwargs: dict[str, Any]) -> None:
-        # A real forward: V2 passes the batch's request_ids (no_forward passes
-        # none); V1 binds attention metadata (no_forward binds None). Dummy,
-        # profile and capture runs never reach the connector (V2 disables it).
+        """While first computes are pending: is this step a real forward?"""
+        # V2 passes the batch's request_ids (no_forward passes none); V1 binds
+        # attention metadata (no_forward binds None). Dummy, profile and
+        # capture runs never reach the connector (V2 disables it).
         try:
             if "request_ids" in kwargs:
-                self._forward = True
-                self._forward_reqs = kwargs["request_ids"]
+                batch = kwargs["request_ids"]
+                self.forward = ANY_BATCH if batch is None else batch
             elif getattr(forward_context, "attn_metadata", None) is not None:
-                self._forward = True
+                self.forward = ANY_BATCH
         except Exception:
             self.pipeline.count_error("seam")
 
     def after_save(self) -> None:
-        """After the forward (wait_for_save): confirm first computes."""
-        if not (self._forward and self.pending):
+        """After the forward (wait_for_save), while first computes are
+        pending: confirm those of the requests the forward ran."""
+        batch = self.forward
+        if batch is None:
             return
         try:
-            self._forward = False
-            batch = self._forward_reqs
+            self.forward = None
             t = _now()
             for r in list(self.pending):
-                if batch is not None and r not in batch:
+                if batch is not ANY_BATCH and r not in batch:
                     continue
                 epoch, kind, sched_gen = self.pending.pop(r)
                 self.offer((self.consumer, ev.W_FIRST_COMPUTE, t, self._bind_ns, r, epoch,
                             kind, sched_gen))
-                self._computed.append((self.rank, self.gen, r, epoch))
+                self.computed.append((self.rank, self.gen, r, epoch))
         except Exception:
             self.pipeline.count_error("seam")
 
     def worker_meta(self, meta: Any) -> Any:
-        """Attach who reported to vLLM's worker metadata (counts untouched)."""
-        if meta is None and not self._computed:
-            return meta
+        """Attach who reported to vLLM's worker metadata (counts untouched);
+        called when vLLM has some or a first compute is to be reported."""
         try:
-            completed = meta.completed_jobs if meta is not None else {}
-            out = ReceiptWorkerMetadata(
-                completed_jobs=completed,
-                reporters=((self.rank, self.gen, tuple(completed)),) if completed else (),
-                computed=tuple(self._computed))
-            if meta is not None:
-                out.transfer_stats = meta.transfer_stats
-            self._computed.clear()
-            return out
+            computed = tuple(self.computed)
+            self.computed.clear()
+            if meta is None:
+                return ReceiptWorkerMetadata({}, TransferStats(), (), computed)
+            completed = meta.completed_jobs
+            return ReceiptWorkerMetadata(
+                completed, meta.transfer_stats,
+                ((self.rank, self.gen, tuple(completed)),) if completed else (), computed)
         except Exception:
             self.pipeline.count_error("seam")
             return meta

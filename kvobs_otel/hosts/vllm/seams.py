@@ -108,8 +108,9 @@ class SchedulerSeams:
                 for r, (epoch, _k) in admitted.items():
                     episodes[r] = epoch
                     del open_[r]
-            setattr(meta, STEP_ATTR, (self.gen, episodes, admitted))
             if preempted or loads or stores or flushed or admitted:
+                # (episodes is empty otherwise: the workers need nothing)
+                setattr(meta, STEP_ATTR, (self.gen, episodes, admitted))
                 self.offer((self.consumer, ev.S_STEP, _now(), preempted,
                             tuple([(j, x.req_id, x.sync, _blocks(x.dst_spec))
                                    for j, x in loads.items()]) if loads else (),

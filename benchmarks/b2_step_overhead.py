@@ -38,7 +38,7 @@ from benchmarks.otlp_sink import OtlpSink
 NAME = "B2"
 TITLE = "step overhead on the real vLLM scheduler + connector loop"
 CHUNK = 40  # steps per turn (~50 ms)
-BLOCKS, REPS = 10, 2  # process sets, and workload repeats in each (full run)
+BLOCKS, REPS = 15, 2  # process sets, and workload repeats in each (full run)
 
 
 def _lockstep(children: dict[str, ForkedChild], rng: random.Random) -> int:

@@ -114,6 +114,9 @@ class Variant:
         if self.name == "unobserved" and k.is_instrumented():
             k.uninstrument()  # so the next harness is built unpatched
         h = Harness(harness_config(self.shape, **(EXPLICIT if self.name == "disabled" else {})))
+        # The harness's variables for the whole process: no variant then sets
+        # any per call (disabled has one more than the others).
+        os.environ.update(h.env)
         observed = h.scheduler.connector.__dict__.get("_kvobs") is not None
         # Each variant must really be what it claims, or B2 measures nothing.
         ok = observed == self.observing

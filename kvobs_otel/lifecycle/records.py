@@ -34,7 +34,7 @@ PRESERVE = "preserve"
 RESTORE = "restore"
 
 
-@dataclass
+@dataclass(slots=True)
 class JobRecord:
     sched_gen: str
     job_id: int
@@ -54,7 +54,7 @@ class JobRecord:
     episode_role: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class TransferRecord:
     sched_gen: str
     job_id: int
@@ -73,7 +73,7 @@ class TransferRecord:
     join_scope: str = JOIN_CLUSTER
 
 
-@dataclass
+@dataclass(slots=True)
 class FirstComputeRecord:
     sched_gen: str
     req_id: str
@@ -86,14 +86,14 @@ class FirstComputeRecord:
     join_scope: str = JOIN_CLUSTER
 
 
-@dataclass
+@dataclass(slots=True)
 class EpisodeEvent:
     name: str
     t_ns: int
     attributes: dict[str, object] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class EpisodeRecord:
     sched_gen: str
     req_id: str
@@ -119,7 +119,7 @@ class EpisodeRecord:
     join_scope: str = JOIN_CLUSTER
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """The root of a request's ordinary offload-traffic trace."""
 

@@ -19,7 +19,7 @@ class RecordSink(Protocol):
     def emit(self, record: Any) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     req_id: str
     is_store: bool
@@ -33,7 +33,7 @@ class _Job:
     role: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Episode:
     epoch: int
     start_ns: int
@@ -49,7 +49,7 @@ class _Episode:
     computed: dict[int, int] = field(default_factory=dict)  # rank -> t
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     start_ns: int
     traceparent: str | None

@@ -211,7 +211,7 @@ class WorkerSeams:
             self.last_meta = meta
             self.forward = None
             # The scheduler's seam extends the metadata of every step that has
-            # jobs, preemptions, open episodes or admissions; others carry nothing.
+            # jobs, preemptions or admissions; the others carry nothing.
             step = getattr(meta, STEP_ATTR, None)
             if step is None and not self.pending:
                 return
@@ -270,13 +270,15 @@ class WorkerSeams:
         called when vLLM has some or a first compute is to be reported."""
         try:
             computed = tuple(self.computed)
-            self.computed.clear()
             if meta is None:
-                return ReceiptWorkerMetadata({}, TransferStats(), (), computed)
-            completed = meta.completed_jobs
-            return ReceiptWorkerMetadata(
-                completed, meta.transfer_stats,
-                ((self.rank, self.gen, tuple(completed)),) if completed else (), computed)
+                out = ReceiptWorkerMetadata({}, TransferStats(), (), computed)
+            else:
+                completed = meta.completed_jobs
+                out = ReceiptWorkerMetadata(
+                    completed, meta.transfer_stats,
+                    ((self.rank, self.gen, tuple(completed)),) if completed else (), computed)
+            self.computed.clear()  # only once they are on their way
+            return out
         except Exception:
             self.pipeline.count_error("seam")
             return meta

@@ -60,7 +60,9 @@ def _after(method: str):
 # Per-step seams: wrappers spelled out, without the generic ones' getattr and
 # argument re-packing (the seams' cost on the serving thread is mostly the
 # Python they run, cold, every step). Each keeps vLLM's parameter name, so a
-# keyword call still works, and passes on anything else it is given.
+# keyword call still works, and passes on anything else it is given. They call
+# the seam only when it can record something (new metadata, first computes
+# pending or to report): most steps of most ranks have neither.
 def _note_meta_handle(orig):
     def handle_preemptions(self, kv_connector_metadata, *args, **kwargs):
         s = self.__dict__.get(_ATTR)

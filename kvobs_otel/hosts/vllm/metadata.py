@@ -10,6 +10,7 @@ workers -> scheduler: ``ReceiptWorkerMetadata``, a subclass of
 ((rank, worker_generation, (job_id, ...)), ...) and ``computed`` =
 ((rank, worker_generation, req_id, epoch), ...). vLLM's ``completed_jobs``
 counts and their summing in ``aggregate()`` are left exactly as they are.
+It pickles as ``_rebuild`` and a tuple of its four fields (``__reduce__``).
 """
 
 from __future__ import annotations

@@ -96,40 +96,72 @@ class SpanEncoder:
     _CACHE = 65536
 
     def __init__(self) -> None:
-        self._kv: dict[tuple[int, str, type, Any], bytes] = {}
+        # field -> key -> value -> framed KeyValue; bools apart (True == 1)
+        self._kv: dict[int, dict[str, dict[Any, bytes]]] = {}
+        self._kv_bool: dict[int, dict[str, tuple[bytes, bytes]]] = {}
+        self._cached = 0
         self._keys: dict[str, bytes] = {}
-        self._strings: dict[str, bytes] = {}
+        self._names: dict[int, dict[str, bytes]] = {}
         self._resources: dict[int, tuple[Any, bytes]] = {}
         self._scopes: dict[int, tuple[Any, bytes]] = {}
         self._statuses: dict[tuple[int, str], bytes] = {}
 
     def _attributes(self, field: int, attributes: Mapping[str, Any] | None) -> bytes:
-        """Repeated KeyValue field ``field``; each framed pair cached by
-        (field, key, type, value): True and 1 must not share an entry.
-        Floats (durations) hardly ever repeat: encoded, not cached."""
+        """Repeated KeyValue field ``field``. Each framed pair is cached by
+        key then value (one dict lookup each, no tuple to build); strings,
+        ints and int lists (ranks, job ids) repeat, floats (durations) hardly
+        ever: those are encoded, not cached."""
         if not attributes:
             return b""
-        kv = self._kv
-        parts = []
+        by_key = self._kv.get(field)
+        if by_key is None:
+            by_key = self._kv[field] = {}
+        bools = self._kv_bool.get(field)
+        if bools is None:
+            bools = self._kv_bool[field] = {}
+        parts: list[bytes] = []
+        append = parts.append
         for key, value in attributes.items():
-            if value is None:
+            cls = value.__class__
+            if cls is str or cls is int:
+                values = by_key.get(key)
+                if values is None:
+                    values = by_key[key] = {}
+                framed = values.get(value)
+                if framed is None:
+                    framed = self._store(values, value, self._pair(field, key, value))
+            elif cls is bool:
+                pair = bools.get(key)
+                if pair is None:
+                    pair = bools[key] = (self._pair(field, key, False),
+                                         self._pair(field, key, True))
+                framed = pair[value]
+            elif cls is list or cls is tuple:
+                # cached only when every element is a plain int: (1,) == (True,)
+                if all(v.__class__ is int for v in value):
+                    values = by_key.get(key)
+                    if values is None:
+                        values = by_key[key] = {}
+                    lk = (tuple, *value)  # never equal to a str or int key
+                    framed = values.get(lk)
+                    if framed is None:
+                        framed = self._store(values, lk, self._pair(field, key, value))
+                else:
+                    framed = self._pair(field, key, value)
+            elif value is None:
                 continue
-            if value.__class__ is float:
-                parts.append(self._pair(field, key, value))
-                continue
-            cache_key = (field, key, value.__class__, value)
-            try:
-                framed = kv.get(cache_key)
-            except TypeError:  # unhashable (a list): encoded every time
-                parts.append(self._pair(field, key, value))
-                continue
-            if framed is None:
+            else:
                 framed = self._pair(field, key, value)
-                if len(kv) >= self._CACHE:
-                    kv.clear()
-                kv[cache_key] = framed
-            parts.append(framed)
+            append(framed)
         return b"".join(parts)
+
+    def _store(self, values: dict[Any, bytes], value: Any, framed: bytes) -> bytes:
+        self._cached += 1
+        if self._cached > self._CACHE:  # bounded: one-off values (job ids) come and go
+            self._kv.clear()
+            self._cached = 1
+        values[value] = framed
+        return framed
 
     def _pair(self, field: int, key: str, value: Any) -> bytes:
         """One KeyValue, framed as field ``field``."""
@@ -146,13 +178,15 @@ class SpanEncoder:
         return out
 
     def _name(self, field: int, s: str) -> bytes:
-        key = f"{field}:{s}"
-        out = self._strings.get(key)
+        names = self._names.get(field)
+        if names is None:
+            names = self._names[field] = {}
+        out = names.get(s)
         if out is None:
             out = _string(field, s)
-            if len(self._strings) >= self._CACHE:
-                self._strings.clear()
-            self._strings[key] = out
+            if len(names) >= self._CACHE:
+                names.clear()
+            names[s] = out
         return out
 
     def _resource(self, resource: Any) -> bytes:

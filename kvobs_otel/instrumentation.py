@@ -10,20 +10,6 @@ from kvobs_otel.config import ConfigError, Settings, load_settings
 logger = logging.getLogger("kvobs_otel")
 _lock = threading.Lock()
 
-TESTED_VLLM = "0.33.0"
-# The seams rely on 0.33's OffloadingConnector shape: per-job TransferJob with
-# `sync`, jobs_to_flush, OffloadingWorkerMetadata, submit_load(expedited=).
-MIN_VLLM = (0, 33, 0)
-
-
-def vllm_version_supported(version: str) -> bool:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts) >= MIN_VLLM
-
-
 def _check_settings(settings: Settings) -> None:
     from kvobs_otel.telemetry.providers import validate_exporter_env
 
@@ -63,18 +49,17 @@ def instrument(settings: Settings | None = None, *, default_enabled: bool = Fals
         if _attach_hust(settings):
             return is_instrumented()
         try:
-            import vllm
-
-            if not vllm_version_supported(vllm.__version__):
-                logger.error("kvobs-otel: observation stays off: vLLM %s is older than the "
-                             "oldest supported %s", vllm.__version__,
-                             ".".join(map(str, MIN_VLLM)))
-                return False
-            instrumentor.patch_classes(settings)
+            import vllm  # noqa: F401  (vLLM missing: say so below)
         except ImportError as e:
             logger.error("kvobs-otel: observation stays off: vLLM not importable (%s)", e)
-            instrumentor.unpatch_classes()
             return False
+        try:
+            if instrumentor.refusal() is not None:
+                return False  # refused once in this process: said and counted then
+            release = instrumentor.choose_release(settings)
+            if release is None:
+                return False
+            instrumentor.patch_classes(settings, release)
         except Exception:
             logger.exception("kvobs-otel: observation stays off: patching failed")
             instrumentor.unpatch_classes()

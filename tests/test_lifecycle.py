@@ -30,13 +30,24 @@ def sched(world: int = 2, deadline: float = 1.0) -> tuple[SchedulerLifecycle, Li
     return SchedulerLifecycle("g" * 32, world, deadline, sink), sink
 
 
+def _pad(rows, defaults):
+    # Short rows in these tests: the trailing fields a test does not care about.
+    return tuple(tuple(r) + tuple(defaults[len(r):]) for r in rows)
+
+
 def step(lc, t, preempted=(), loads=(), stores=(), flushed=(), admitted=()):
-    lc.handle((lc, ev.S_STEP, t, tuple(preempted), tuple(loads), tuple(stores),
-               tuple(flushed), tuple(admitted)))
+    """Rows as in events.S_STEP; trailing fields may be left out:
+    preempted (req, epoch[, discarded]), stores (job, req, blocks[, chunks]),
+    admitted (req, epoch, kind[, held, restored])."""
+    stores = tuple(tuple(r) + (r[2],) if len(r) == 3 else tuple(r) for r in stores)
+    lc.handle((lc, ev.S_STEP, t, _pad(preempted, (None, None, None)), tuple(loads), stores,
+               tuple(flushed), _pad(admitted, (None, None, None, None, 0))))
 
 
 def receipts(lc, t, reporters=(), computed=()):
-    lc.handle((lc, ev.S_RECEIPTS, t, tuple(reporters), tuple(computed)))
+    """reporters: (rank, worker_gen, job_ids[, failed_job_ids])."""
+    lc.handle((lc, ev.S_RECEIPTS, t, _pad(reporters, (None, None, None, ())),
+               tuple(computed)))
 
 
 def test_receipt_completes_only_when_every_rank_reported_once():
@@ -104,10 +115,84 @@ def test_incomplete_restore_ends_episode_with_error_and_abort_before_resume():
     step(lc, 1, loads=[(9, "a", False, 1)])
     receipts(lc, 2, [(0, "w", (9,))])
     lc.tick(2 * S)
-    lc.handle((lc, ev.S_FINISHED, 3 * S, "b", True))
+    lc.handle((lc, ev.S_FINISHED, 3 * S, "b", ev.FINISHED_ABORTED))
     eps = {e.req_id: e for e in sink.of(rec.EpisodeRecord)}
     assert eps["a"].outcome == rec.RECEIPT_INCOMPLETE and eps["a"].incomplete_jobs == [9]
     assert eps["b"].outcome == rec.ABORTED_BEFORE_RESUME
+
+
+def test_failed_restore_under_policy_fail_ends_the_episode_as_restore_failed():
+    # vLLM 0.34, kv_load_failure_policy="fail": the step that reports the failed
+    # load finishes the request with an error, then hands the receipts over.
+    lc, sink = sched(world=2)
+    step(lc, 0, preempted=[("r", 1, 40)])
+    step(lc, 10, loads=[(5, "r", False, 3)])
+    lc.handle((lc, ev.S_FINISHED, 20, "r", ev.FINISHED_ERROR))
+    assert not sink.of(rec.EpisodeRecord)  # waits for the restore's receipts
+    receipts(lc, 20, [(0, "a", (5,), ()), (1, "b", (5,), (5,))])
+    (job,) = sink.of(rec.JobRecord)
+    assert job.outcome == rec.JOB_FAILED and job.failed_ranks == [1]
+    assert job.missing_ranks == [] and job.receipt_ranks == [0, 1]
+    (ep,) = sink.of(rec.EpisodeRecord)
+    assert ep.outcome == rec.RESTORE_FAILED
+    assert ep.failed_restore_jobs == [5] and ep.failed_ranks == [1]
+    assert ep.admitted_ns is None and ep.tokens_discarded == 40
+    (req,) = sink.of(rec.RequestRecord)
+    assert req.outcome == ev.FINISHED_ERROR
+
+
+def test_failed_restore_under_policy_recompute_follows_the_request_to_its_prefill():
+    lc, sink = sched(world=2)
+    step(lc, 0, preempted=[("r", 1, 48)])
+    step(lc, 10, loads=[(5, "r", False, 3)])
+    receipts(lc, 20, [(0, "a", (5,), (5,)), (1, "b", (5,), ())])
+    assert not sink.of(rec.EpisodeRecord)
+    # Recomputed from scratch: 16 tokens found in the device prefix cache, the
+    # planned restore (48) brought nothing back.
+    step(lc, 30, admitted=[("r", 1, "prefill", 16, 48)])
+    receipts(lc, 40, computed=[(0, "a", "r", 1), (1, "b", "r", 1)])
+    (ep,) = sink.of(rec.EpisodeRecord)
+    assert ep.outcome == rec.RECOMPUTED and ep.compute_kind == "prefill"
+    assert ep.failed_restore_jobs == [5] and ep.failed_ranks == [0]
+    assert (ep.tokens_discarded, ep.tokens_restored, ep.tokens_resident,
+            ep.tokens_recomputed) == (48, 0, 16, 32)
+    assert ep.first_compute_ranks == [0, 1]
+
+
+def test_failed_store_is_a_complete_receipt_of_a_failed_job():
+    lc, sink = sched(world=2)
+    step(lc, 0, stores=[(7, "r", 4, 2)])
+    receipts(lc, 5, [(0, "a", (7,), (7,))])
+    receipts(lc, 9, [(1, "b", (7,), ())])
+    (job,) = sink.of(rec.JobRecord)
+    assert job.outcome == rec.JOB_FAILED and job.failed_ranks == [0]
+    assert job.host_chunks == 2 and lc.open_receipts == 0
+    # Which rank reported last, and how long after the first.
+    assert job.last_ranks == [1] and job.receipt_spread_ns == 4
+
+
+def test_recovery_accounting_restored_resident_recomputed():
+    lc, sink = sched(world=1)
+    step(lc, 0, preempted=[("r", 1, 100)])
+    step(lc, 10, loads=[(5, "r", False, 4)])
+    receipts(lc, 20, [(0, "a", (5,))])
+    # 64 restored + 32 still in the device prefix cache; 4 computed again.
+    step(lc, 30, admitted=[("r", 1, "prefill", 96, 64)])
+    receipts(lc, 40, computed=[(0, "a", "r", 1)])
+    (ep,) = sink.of(rec.EpisodeRecord)
+    assert ep.outcome == rec.RECOVERED
+    assert (ep.tokens_discarded, ep.tokens_restored, ep.tokens_resident,
+            ep.tokens_recomputed) == (100, 64, 32, 4)
+    (job,) = sink.of(rec.JobRecord)
+    assert job.last_ranks == [0] and job.receipt_spread_ns == 0
+
+
+def test_error_finish_without_a_restore_out_is_finished_before_resume():
+    lc, sink = sched(world=1)
+    step(lc, 0, preempted=[("r", 1)])
+    lc.handle((lc, ev.S_FINISHED, 5, "r", ev.FINISHED_ERROR))
+    (ep,) = sink.of(rec.EpisodeRecord)
+    assert ep.outcome == rec.FINISHED_BEFORE_RESUME
 
 
 def test_shutdown_abandons_open_jobs_and_episodes():

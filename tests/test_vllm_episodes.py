@@ -114,6 +114,19 @@ def test_restore_through_cpu_when_gpu_prefix_cache_is_evicted(observe):
     ((root, trace),) = episodes(observe.spans())
     assert_recovered_chain(trace, {0, 1})
     assert root.attrs["kvobs.restore.job_ids"]
+    # Where the KV came back from: the evicted prefix from the host tier, the
+    # rest (the tokens past the last full block) computed again.
+    a = root.attrs
+    assert a["kvobs.tokens.discarded"] >= a["kvobs.tokens.restored"] > 0
+    assert a["kvobs.tokens.resident"] == 0
+    assert a["kvobs.tokens.discarded"] == a["kvobs.tokens.restored"] + a["kvobs.tokens.recomputed"]
+    assert a["kvobs.tokens.restored"] % 16 == 0  # whole blocks
+    # Which rank's receipt came last, and the spread between the first and last.
+    for job in (s for s in trace if s.name == "kv.job"):
+        assert set(job.attrs["kvobs.receipt.last_ranks"]) <= {0, 1}
+        assert job.attrs["kvobs.receipt.spread_s"] >= 0.0
+    assert observe.metric_total("kvobs.recovery.tokens", source="restored") == \
+        a["kvobs.tokens.restored"]
 
 
 def test_sync_load_restores_before_the_forward(observe):

@@ -8,24 +8,63 @@ import subprocess
 import sys
 
 import pytest
+import vllm
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
 
 import kvobs_otel
 from kvobs_otel.config import Settings
 from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.harness.workload import pressure_workload
+from kvobs_otel.hosts.vllm import instrumentor, releases
+from kvobs_otel.hosts.vllm.metadata import VLLM_FIELDS
 from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry.metrics import MetricsBuilder
 from kvobs_otel.telemetry.spans import SpanBuilder
 
+# The installed vLLM's adapter (reads TransferJob.sync where the release has it).
+RELEASE = releases.select(vllm.__version__).release
 EXPLICIT = {"connector": "KvobsOffloadingConnector",
             "connector_module_path": "kvobs_otel.connector"}
 
 
-def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[tuple]:
-    """Every step's SchedulerOutput, reduced to what the scheduler decided."""
+def vllm_view(meta: object) -> tuple:
+    """vLLM's own fields of the worker metadata its scheduler-side connector
+    reads (None reads as the defaults; transfer times are wall-clock)."""
+    meta = OffloadingWorkerMetadata() if meta is None else meta
     out = []
+    for name in VLLM_FIELDS:
+        value = getattr(meta, name)
+        if name == "transfer_stats":
+            value = (value.load.bytes, tuple(value.load.sizes),
+                     value.store.bytes, tuple(value.store.sizes))
+        elif isinstance(value, dict):
+            value = tuple(sorted(value.items()))
+        elif isinstance(value, (set, frozenset)):
+            value = tuple(sorted(value))
+        out.append((name, value))
+    return tuple(out)
+
+
+def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[tuple]:
+    """Every step's SchedulerOutput, reduced to what the scheduler decided,
+    then what vLLM's scheduler-side connector read from the workers each step
+    and how every request finished."""
+    out = []
+    received: list[tuple] = []
     with Harness(HarnessConfig(num_ranks=2, **(connector or {}), **cfg)) as h:
+        # Below kvobs-otel's patch of the facade: what vLLM itself gets.
+        conn = h.scheduler.connector.connector_scheduler
+        update = conn.update_connector_output
+
+        def spy(connector_output):
+            received.append(vllm_view(connector_output.kv_connector_worker_meta))
+            return update(connector_output)
+
+        conn.update_connector_output = spy
         pressure_workload(h)
         records = h.run_until_idle(2000)
         if before_close is not None:
@@ -41,11 +80,14 @@ def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[t
                 sorted(so.num_scheduled_tokens.items()),
                 sorted(so.preempted_req_ids or ()),
                 sorted(so.finished_req_ids),
-                sorted((j, x.req_id, x.sync) for j, x in meta.load_jobs.items()),
+                sorted(RELEASE.load_row(j, x) for j, x in meta.load_jobs.items()),
                 sorted((j, x.req_id) for j, x in meta.store_jobs.items()),
                 sorted(meta.jobs_to_flush or ()),
                 sorted(rec.finished_req_ids),
             ))
+    out.append(("vllm reads", received))
+    out.append(("finished", sorted(h.finished.items()), sorted(
+        (r, len(t)) for r, t in h.outputs.items())))
     return out
 
 
@@ -66,6 +108,33 @@ def test_enabled_changes_no_scheduling_decision(stock, observe):
     assert decisions(EXPLICIT) == stock
     current_pipeline().flush()
     assert observe.spans("kv.recovery")
+
+
+# vLLM 0.34 reports failed transfers; its scheduler then acts on failed_jobs
+# and failed_recving. With observation on, it must act exactly the same.
+FAILURES = {
+    "load-fail": {"fail": {"rank": 1, "kind": "load"}, "kv_load_failure_policy": "fail"},
+    "load-recompute": {"fail": {"rank": 1, "kind": "load"},
+                       "kv_load_failure_policy": "recompute"},
+    "store-fail": {"fail": {"rank": 1, "kind": "store"}},
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(FAILURES))
+def test_vllm_reads_its_own_metadata_unchanged_when_transfers_fail(observe, scenario):
+    if "failed_jobs" not in VLLM_FIELDS:
+        pytest.skip(f"vLLM {vllm.__version__} asserts every transfer succeeded (failures are "
+                    "reported from 0.34)")
+    cfg = FAILURES[scenario]
+    kvobs_otel.uninstrument()
+    stock_run = decisions(**cfg)
+    failed = [r for r in stock_run[-2][1] if any(dict(r).get("failed_jobs", ()))]
+    assert failed, "the scenario must make vLLM see failed jobs"
+    assert kvobs_otel.instrument(Settings(enabled=True, receipt_deadline_s=1.0,
+                                          drain_interval_s=0.02))
+    assert decisions(EXPLICIT, **cfg) == stock_run
+    current_pipeline().flush()
+    assert [s for s in observe.spans("kv.job") if s.attributes["kvobs.outcome"] == "failed"]
 
 
 def test_plugin_default_off_imports_no_sdk_and_patches_nothing():
@@ -134,13 +203,16 @@ def test_uninstrument_restores_vllm_exactly(telemetry):
         OffloadingConnector,
     )
 
-    before = dict(vars(OffloadingConnector)), dict(vars(OffloadingConnectorWorker))
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    classes = (OffloadingConnector, OffloadingConnectorWorker, Scheduler)
+    before = [dict(vars(c)) for c in classes]
     assert kvobs_otel.instrument(Settings(enabled=True))
     assert vars(OffloadingConnector)["build_connector_meta"] is not before[0][
         "build_connector_meta"]
+    assert vars(Scheduler)["_preempt_request"] is not before[2]["_preempt_request"]
     kvobs_otel.uninstrument()
-    assert dict(vars(OffloadingConnector)) == before[0]
-    assert dict(vars(OffloadingConnectorWorker)) == before[1]
+    assert [dict(vars(c)) for c in classes] == before
     decisions()
     assert telemetry.spans() == []
 
@@ -162,18 +234,90 @@ def test_bad_setting_keeps_observation_off_with_one_clear_error(monkeypatch, cap
     assert var in record.getMessage() and "observation stays off" in record.getMessage()
 
 
-def test_older_vllm_is_refused_with_one_clear_error(monkeypatch, caplog):
-    import vllm
-
-    from kvobs_otel.instrumentation import vllm_version_supported
-
-    assert vllm_version_supported("0.33.0") and vllm_version_supported("0.34.1rc2")
-    assert not vllm_version_supported("0.32.9")
-    monkeypatch.setattr(vllm, "__version__", "0.30.1")
-    with caplog.at_level(logging.ERROR, logger="kvobs_otel"):
+def refused_once(caplog, reason: str, telemetry) -> str:
+    """instrument() refused: False, nothing patched, one error line, and the
+    refusal exported as kvobs.host.refused{reason}."""
+    with caplog.at_level(logging.WARNING, logger="kvobs_otel"):
         assert kvobs_otel.instrument(Settings(enabled=True)) is False
-    assert not kvobs_otel.is_instrumented()
-    assert "0.30.1" in caplog.records[-1].getMessage()
+        assert kvobs_otel.instrument(Settings(enabled=True)) is False  # said once per process
+    assert not kvobs_otel.is_instrumented() and not instrumentor.is_patched()
+    lines = [r for r in caplog.records if r.name == "kvobs_otel"]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR, [r.getMessage() for r in lines]
+    current_pipeline().flush()
+    assert telemetry.metric_total("kvobs.host.refused", reason=reason) == 1
+    return lines[0].getMessage()
+
+
+def test_older_vllm_is_refused_with_one_clear_error(monkeypatch, caplog, telemetry):
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    message = refused_once(caplog, releases.REFUSED_VERSION, telemetry)
+    assert "0.31.2" in message and "vllm>=0.32.0,<0.35" in message
+    kvobs_otel.uninstrument()
+
+
+def pretend_newer(monkeypatch) -> str:
+    """Announce the installed vLLM as the next, untested release (the
+    installed release's adapter then is the newest one kvobs-otel has)."""
+    rels = releases.supported()
+    mine = [r.series for r in rels].index(RELEASE.series)
+    monkeypatch.setattr(releases, "supported", lambda: rels[: mine + 1])
+    newer = f"{RELEASE.series[0]}.{RELEASE.series[1] + 1}.0"
+    monkeypatch.setattr(vllm, "__version__", newer)
+    return newer
+
+
+def test_newer_untested_vllm_is_refused_unless_allowed(monkeypatch, caplog, telemetry):
+    newer = pretend_newer(monkeypatch)
+    message = refused_once(caplog, releases.REFUSED_UNTESTED, telemetry)
+    assert newer in message and releases.ENV_ALLOW_UNTESTED in message
+    kvobs_otel.uninstrument()
+    # Allowed: the newest release's seams, after the same shape check.
+    monkeypatch.setenv(releases.ENV_ALLOW_UNTESTED, "1")
+    with caplog.at_level(logging.WARNING, logger="kvobs_otel"):
+        assert kvobs_otel.instrument(Settings(enabled=True))
+    assert "untested" in caplog.records[-1].getMessage()
+    kvobs_otel.uninstrument()
+
+
+def test_a_newer_vllm_with_a_changed_signature_is_refused_and_runs_unobserved(
+        stock, monkeypatch, caplog, telemetry):
+    """Stand-in for a future vLLM (none exists yet): the installed release with
+    one seam's signature changed, announced as an untested newer version that
+    the operator allowed. The shape check refuses it; vLLM runs untouched."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    original = OffloadingConnector.build_connector_meta
+
+    def build_connector_meta(self, scheduler_output, step_budget=None):
+        return original(self, scheduler_output)
+
+    monkeypatch.setattr(OffloadingConnector, "build_connector_meta", build_connector_meta)
+    pretend_newer(monkeypatch)
+    monkeypatch.setenv(releases.ENV_ALLOW_UNTESTED, "1")
+    message = refused_once(caplog, releases.REFUSED_SHAPE, telemetry)
+    assert "build_connector_meta(self, scheduler_output, step_budget)" in message
+    assert OffloadingConnector.build_connector_meta is build_connector_meta  # untouched
+    assert not any(getattr(v, "__kvobs_wrapped__", False)
+                   for v in vars(OffloadingConnector).values())
+    monkeypatch.setenv("KVOBS_OTEL_ENABLED", "1")  # the plugin in every process: still off
+    spans_before = len(telemetry.spans())
+    assert decisions() == stock
+    assert len(telemetry.spans()) == spans_before == 0
+    kvobs_otel.uninstrument()
+
+
+def test_every_supported_release_fits_the_installed_vllm_exactly_once():
+    """The installed vLLM matches its own release's shape and no other's, so
+    each adapter describes a real release (CI runs this on each of them)."""
+    sel = releases.select(vllm.__version__)
+    assert sel.release is not None and not sel.untested
+    fits = [r.name for r in releases.supported() if not releases.check_shape(r)]
+    assert fits == [sel.release.name]
+    from kvobs_otel import package
+    low, high = releases.window()[2:].split(",<")
+    assert package._instruments == (f"vllm >= {low}, < {high}",)
 
 
 class _RaisingSpanExporter:

@@ -57,7 +57,7 @@ def test_the_extension_names_every_field_the_installed_vllm_defines():
 
 def test_a_rank_metadata_carries_every_vllm_field_through_pickle():
     for rank, meta in enumerate(rank_metas()):
-        ours = extend(meta, ((rank, f"g{rank}", tuple(meta.completed_jobs)),), ())
+        ours = extend(meta, ((rank, f"g{rank}", tuple(meta.completed_jobs), ()),), ())
         back = pickle.loads(pickle.dumps(ours))
         assert type(back) is ReceiptWorkerMetadata
         assert back == ours
@@ -70,7 +70,7 @@ def test_a_rank_metadata_carries_every_vllm_field_through_pickle():
 
 def test_the_wire_form_is_compact():
     # No field names; empty stats travel as None (no stats classes to look up).
-    wire = pickle.dumps(extend(stock_meta((3,)), ((1, "g1", (3,)),), ()))
+    wire = pickle.dumps(extend(stock_meta((3,)), ((1, "g1", (3,), ()),), ()))
     assert b"completed_jobs" not in wire and b"TransferStats" not in wire
     assert b"TransferStats" in pickle.dumps(extend(stock_meta((3,), stored=4096), (), ()))
 
@@ -92,7 +92,7 @@ def aggregate(metas: list[object]) -> object:
 
 def test_vllm_aggregates_observed_ranks_exactly_as_its_own():
     stock = rank_metas()
-    observed = [extend(m, ((r, f"g{r}", tuple(m.completed_jobs)),),
+    observed = [extend(m, ((r, f"g{r}", tuple(m.completed_jobs), ()),),
                        ((r, f"g{r}", "req", 1),) if r == 1 else ())
                 for r, m in enumerate(stock)]
     got = aggregate(observed)
@@ -102,9 +102,9 @@ def test_vllm_aggregates_observed_ranks_exactly_as_its_own():
     assert got.completed_jobs == {3: 2, 4: 2}
     if supports_failures():
         assert got.failed_jobs == {4}
-    assert got.reporters == ((0, "g0", (3, 4)), (1, "g1", (3,)), (2, "g2", (4,)))
+    assert got.reporters == ((0, "g0", (3, 4), ()), (1, "g1", (3,), ()), (2, "g2", (4,), ()))
     assert got.computed == ((1, "g1", "req", 1),)
     # A rank that reported nothing this step (None) and a stock rank mixed in.
     mixed = aggregate([observed[0], stock[1], observed[2]])
     assert vllm_fields(mixed) == vllm_fields(want)
-    assert mixed.reporters == ((0, "g0", (3, 4)), (2, "g2", (4,)))
+    assert mixed.reporters == ((0, "g0", (3, 4), ()), (2, "g2", (4,), ()))

@@ -11,14 +11,17 @@ from __future__ import annotations
 # Scheduler role ------------------------------------------------------------
 # (req_id, traceparent | None)
 S_REQUEST = 1
-# (preempted: ((req_id, epoch), ...), loads: ((job_id, req_id, sync, blocks), ...),
-#  stores: ((job_id, req_id, blocks), ...), flushed: (job_id, ...),
-#  admitted: ((req_id, epoch, compute_kind), ...))
+# (preempted: ((req_id, epoch, discarded_tokens | None), ...),
+#  loads: ((job_id, req_id, sync, blocks), ...),
+#  stores: ((job_id, req_id, blocks, host_chunks), ...), flushed: (job_id, ...),
+#  admitted: ((req_id, epoch, compute_kind, held_tokens | None, restored_tokens), ...))
+# discarded: computed tokens the preemption dropped; held: tokens the request
+# holds on the device when it is scheduled again (prefix-cache hit + restored).
 S_STEP = 2
-# (reporters: ((rank, worker_gen, (job_id, ...)), ...),
+# (reporters: ((rank, worker_gen, (job_id, ...), (failed_job_id, ...)), ...),
 #  computed: ((rank, worker_gen, req_id, epoch), ...))
 S_RECEIPTS = 3
-# (req_id, aborted)
+# (req_id, status: FINISHED_*)
 S_FINISHED = 4
 # ()
 S_RESET = 5
@@ -37,6 +40,11 @@ W_RESULT = 13
 W_FIRST_COMPUTE = 14
 # ()
 W_SHUTDOWN = 15
+
+# How a request ended (S_FINISHED)
+FINISHED_OK = "finished"
+FINISHED_ABORTED = "aborted"
+FINISHED_ERROR = "error"
 
 COMPUTE_PREFILL = "prefill"
 COMPUTE_DECODE = "decode"

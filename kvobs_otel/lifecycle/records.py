@@ -9,12 +9,20 @@ from dataclasses import dataclass, field
 COMPLETE = "complete"
 RECEIPT_INCOMPLETE = "receipt_incomplete"
 ABANDONED = "abandoned"
+# Every rank reported, and at least one rank's transfer failed (vLLM 0.34+).
+JOB_FAILED = "failed"
 
 RECOVERED = "recovered"
 FINISHED_BEFORE_RESUME = "finished_before_resume"
 ABORTED_BEFORE_RESUME = "aborted_before_resume"
 PREEMPTED_AGAIN = "preempted_again"
 FIRST_COMPUTE_INCOMPLETE = "first_compute_incomplete"
+# A restore failed and vLLM ended the request with an error
+# (kv_load_failure_policy "fail").
+RESTORE_FAILED = "restore_failed"
+# A restore failed and vLLM computed the request again from scratch
+# (kv_load_failure_policy "recompute"); the episode ends at that first compute.
+RECOMPUTED = "recomputed"
 
 TRANSFER_OK = "ok"
 TRANSFER_FAILED = "failed"
@@ -52,6 +60,12 @@ class JobRecord:
     flushed: bool = False
     episode_epoch: int = 0  # 0: ordinary traffic
     episode_role: str | None = None
+    failed_ranks: list[int] = field(default_factory=list)
+    # The rank(s) whose receipt came last, and how long after the first.
+    last_ranks: list[int] = field(default_factory=list)
+    receipt_spread_ns: int = 0
+    # Store jobs: host-tier chunks written (dropped again when the store failed).
+    host_chunks: int = 0
 
 
 @dataclass(slots=True)
@@ -117,6 +131,13 @@ class EpisodeRecord:
     # the episode then ends at admission and its trace holds the evidence.
     first_compute_observed: bool = True
     join_scope: str = JOIN_CLUSTER
+    failed_restore_jobs: list[int] = field(default_factory=list)
+    failed_ranks: list[int] = field(default_factory=list)
+    # Where the request's KV came back from, in tokens (None: not observed).
+    tokens_discarded: int | None = None  # computed tokens the preemption dropped
+    tokens_restored: int | None = None  # loaded from the host tier
+    tokens_resident: int | None = None  # still in the device prefix cache
+    tokens_recomputed: int | None = None  # computed again
 
 
 @dataclass(slots=True)

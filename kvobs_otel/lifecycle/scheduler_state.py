@@ -26,7 +26,10 @@ class _Job:
     sync: bool
     blocks: int
     start_ns: int
-    reported: dict[int, str] = field(default_factory=dict)
+    host_chunks: int = 0
+    reported: dict[int, str] = field(default_factory=dict)  # rank -> worker generation
+    received: dict[int, int] = field(default_factory=dict)  # rank -> receipt time
+    failed: set[int] = field(default_factory=set)  # ranks whose transfer failed
     duplicates: int = 0
     flushed: bool = False
     epoch: int = 0
@@ -47,6 +50,14 @@ class _Episode:
     admitted_ns: int | None = None
     compute_kind: str | None = None
     computed: dict[int, int] = field(default_factory=dict)  # rank -> t
+    failed_jobs: list[int] = field(default_factory=list)
+    failed_ranks: set[int] = field(default_factory=set)
+    # The request ended with an error while a restore was still out: the
+    # episode ends when that restore's receipts say whether it failed.
+    finished_error: bool = False
+    discarded: int | None = None
+    held: int | None = None
+    restored: int = 0
 
 
 @dataclass(slots=True)
@@ -56,7 +67,12 @@ class _Request:
     open_jobs: int = 0
     jobs: int = 0
     last_ns: int = 0
-    finished: str | None = None  # "finished" | "aborted"
+    finished: str | None = None  # ev.FINISHED_*
+
+
+_ENDED_BEFORE_RESUME = {ev.FINISHED_OK: rec.FINISHED_BEFORE_RESUME,
+                        ev.FINISHED_ABORTED: rec.ABORTED_BEFORE_RESUME,
+                        ev.FINISHED_ERROR: rec.FINISHED_BEFORE_RESUME}
 
 
 class SchedulerLifecycle:
@@ -105,12 +121,12 @@ class SchedulerLifecycle:
     # -- step metadata ---------------------------------------------------------
     def _step(self, t: int, preempted, loads, stores, flushed, admitted) -> None:
         preempted_now = {}
-        for req_id, epoch in preempted:
+        for req_id, epoch, discarded in preempted:
             old = self.episodes.pop(req_id, None)
             if old is not None:
                 self._end_episode(req_id, old, t, rec.PREEMPTED_AGAIN)
             ep = _Episode(epoch=epoch, start_ns=t,
-                          traceparent=self._request(t, req_id).traceparent)
+                          traceparent=self._request(t, req_id).traceparent, discarded=discarded)
             # The connector cannot see why the scheduler preempted: say so.
             ep.events.append(rec.EpisodeEvent("kv.requeued", t, {"kvobs.requeue.reason":
                                                                  "unclassified"}))
@@ -135,14 +151,15 @@ class SchedulerLifecycle:
                 job.epoch, job.role = ep.epoch, rec.RESTORE
                 ep.restore_jobs.append(job_id)
                 ep.open_restores.add(job_id)
-        for job_id, req_id, blocks in stores:
-            self._new_job(t, job_id, req_id, True, False, blocks)
-        for req_id, epoch, kind in admitted:
+        for job_id, req_id, blocks, chunks in stores:
+            self._new_job(t, job_id, req_id, True, False, blocks).host_chunks = chunks
+        for req_id, epoch, kind, held, restored in admitted:
             ep = self.episodes.get(req_id)
             if ep is None or ep.epoch != epoch or ep.admitted_ns is not None:
                 continue
             ep.admitted_ns = t
             ep.compute_kind = kind
+            ep.held, ep.restored = held, restored
             if ep.ready_ns is None and not ep.open_restores:
                 # Nothing to restore (GPU prefix hit) or all restores in: ready
                 # since the last of them, else since preemption.
@@ -157,7 +174,7 @@ class SchedulerLifecycle:
 
     # -- receipts ------------------------------------------------------------------
     def _receipts(self, t: int, reporters, computed) -> None:
-        for rank, wgen, job_ids in reporters:
+        for rank, wgen, job_ids, failed in reporters:
             for job_id in job_ids:
                 job = self.jobs.get(job_id)
                 if job is None:
@@ -171,8 +188,11 @@ class SchedulerLifecycle:
                     self.duplicate_receipts += 1
                     continue
                 job.reported[rank] = wgen
+                job.received[rank] = t
+                if failed and job_id in failed:
+                    job.failed.add(rank)
                 if len(job.reported) >= self.world:
-                    self._end_job(job_id, t, rec.COMPLETE)
+                    self._end_job(job_id, t, rec.JOB_FAILED if job.failed else rec.COMPLETE)
         for rank, _wgen, req_id, epoch in computed:
             ep = self.episodes.get(req_id)
             if ep is None or ep.epoch != epoch or rank in ep.computed:
@@ -180,7 +200,10 @@ class SchedulerLifecycle:
             ep.computed[rank] = t
             if len(ep.computed) >= self.world:
                 del self.episodes[req_id]
-                self._end_episode(req_id, ep, t, rec.RECOVERED)
+                # A failed restore that vLLM recomputed: the request came back,
+                # from scratch.
+                self._end_episode(req_id, ep, t,
+                                  rec.RECOMPUTED if ep.failed_jobs else rec.RECOVERED)
 
     def _end_job(self, job_id: int, t: int, outcome: str) -> None:
         job = self.jobs.pop(job_id)
@@ -189,21 +212,34 @@ class SchedulerLifecycle:
             self._closed.popitem(last=False)
         reported = sorted(job.reported)
         missing = sorted(set(range(self.world)) - job.reported.keys())
+        received = job.received
+        last_t = max(received.values(), default=0)
         self.sink.emit(rec.JobRecord(
             sched_gen=self.gen, job_id=job_id, req_id=job.req_id,
             kind="store" if job.is_store else "load", sync=job.sync, blocks=job.blocks,
             expected_ranks=self.world, receipt_ranks=reported, missing_ranks=missing,
             duplicate_receipts=job.duplicates, outcome=outcome, start_ns=job.start_ns,
-            end_ns=t, flushed=job.flushed, episode_epoch=job.epoch, episode_role=job.role))
+            end_ns=t, flushed=job.flushed, episode_epoch=job.epoch, episode_role=job.role,
+            failed_ranks=sorted(job.failed),
+            last_ranks=sorted(r for r, rt in received.items() if rt == last_t),
+            receipt_spread_ns=last_t - min(received.values(), default=0),
+            host_chunks=job.host_chunks))
         ep = self.episodes.get(job.req_id)
         if ep is not None and job.role == rec.RESTORE and ep.epoch == job.epoch:
             ep.open_restores.discard(job_id)
-            if outcome != rec.COMPLETE:
+            if outcome == rec.JOB_FAILED:
+                ep.failed_jobs.append(job_id)
+                ep.failed_ranks |= job.failed
+            if outcome not in (rec.COMPLETE, rec.JOB_FAILED):
                 ep.incomplete_jobs.append(job_id)
                 del self.episodes[job.req_id]
                 self._end_episode(job.req_id, ep, t, outcome)
             elif not ep.open_restores:
                 ep.ready_ns = t
+                if ep.finished_error:
+                    del self.episodes[job.req_id]
+                    self._end_episode(job.req_id, ep, t, rec.RESTORE_FAILED if ep.failed_jobs
+                                      else rec.FINISHED_BEFORE_RESUME)
         r = self.requests.get(job.req_id)
         if r is not None:
             r.open_jobs -= 1
@@ -211,15 +247,20 @@ class SchedulerLifecycle:
             self._maybe_end_request(job.req_id, r)
 
     # -- requests and episodes --------------------------------------------------------
-    def _finished(self, t: int, req_id: str, aborted: bool) -> None:
+    def _finished(self, t: int, req_id: str, status: str) -> None:
         ep = self.episodes.get(req_id)
         if ep is not None and ep.admitted_ns is None:
-            del self.episodes[req_id]
-            self._end_episode(req_id, ep, t, rec.ABORTED_BEFORE_RESUME if aborted
-                              else rec.FINISHED_BEFORE_RESUME)
+            if status == ev.FINISHED_ERROR and ep.open_restores:
+                # vLLM fails a request whose restore failed (policy "fail") in
+                # the step that reports it, before it reads the receipts.
+                ep.finished_error = True
+            else:
+                del self.episodes[req_id]
+                self._end_episode(req_id, ep, t, _ENDED_BEFORE_RESUME[status]
+                                  if not ep.failed_jobs else rec.RESTORE_FAILED)
         r = self.requests.get(req_id)
         if r is not None:
-            r.finished = "aborted" if aborted else "finished"
+            r.finished = status
             r.last_ns = max(r.last_ns, t)
             self._maybe_end_request(req_id, r)
 
@@ -236,15 +277,25 @@ class SchedulerLifecycle:
 
     def _end_episode(self, req_id: str, ep: _Episode, t: int, outcome: str) -> None:
         missing_fc = []
+        restored = resident = recomputed = None
         if ep.admitted_ns is not None:
             missing_fc = sorted(set(range(self.world)) - ep.computed.keys())
+            # A failed restore brought nothing back, whatever was planned.
+            restored = 0 if ep.failed_jobs else ep.restored
+            if ep.held is not None:
+                resident = max(0, ep.held - restored)
+                if ep.discarded is not None:
+                    recomputed = max(0, ep.discarded - ep.held)
         self.sink.emit(rec.EpisodeRecord(
             sched_gen=self.gen, req_id=req_id, epoch=ep.epoch, start_ns=ep.start_ns,
             end_ns=t, outcome=outcome, traceparent=ep.traceparent,
             preserve_jobs=ep.preserve_jobs, restore_jobs=ep.restore_jobs, events=ep.events,
             expected_ranks=self.world, ready_ns=ep.ready_ns, admitted_ns=ep.admitted_ns,
             compute_kind=ep.compute_kind, first_compute_ranks=sorted(ep.computed),
-            missing_first_compute_ranks=missing_fc, incomplete_jobs=ep.incomplete_jobs))
+            missing_first_compute_ranks=missing_fc, incomplete_jobs=ep.incomplete_jobs,
+            failed_restore_jobs=ep.failed_jobs, failed_ranks=sorted(ep.failed_ranks),
+            tokens_discarded=ep.discarded, tokens_restored=restored, tokens_resident=resident,
+            tokens_recomputed=recomputed))
 
     # -- time ---------------------------------------------------------------------------
     def tick(self, now: int) -> None:

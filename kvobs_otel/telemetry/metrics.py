@@ -25,6 +25,9 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+_INCOMPLETE = frozenset((rec.RECEIPT_INCOMPLETE, rec.ABANDONED))
+
+
 class MetricsBuilder:
     def __init__(self, providers: Providers, *,
                  open_receipts: Callable[[], int] | None = None,
@@ -53,6 +56,11 @@ class MetricsBuilder:
             ("kind", "outcome"))
         self.episodes = self._counter("kvobs.recovery.episodes", "{episode}",
                                       "Recovery episodes by outcome", ("outcome",))
+        self.tokens = self._counter(
+            "kvobs.recovery.tokens", "{token}",
+            "Recovered requests' tokens by where their KV came from (restored from the host "
+            "tier, resident in the device prefix cache, recomputed) and the computed tokens "
+            "preemptions discarded", ("source",))
         self.first_compute = self._counter("kvobs.first_compute", "{event}",
                                            "First computes after recovery",
                                            ("rank", "compute_kind"))
@@ -70,9 +78,11 @@ class MetricsBuilder:
             for kind in ("load", "store"):
                 for outcome in (rec.RECEIPT_INCOMPLETE, rec.ABANDONED):
                     self.incomplete[(kind, outcome)] += 0
+                self.jobs[(kind, rec.JOB_FAILED)] += 0
             for outcome in (rec.RECOVERED, rec.FINISHED_BEFORE_RESUME, rec.ABORTED_BEFORE_RESUME,
                             rec.PREEMPTED_AGAIN, rec.RECEIPT_INCOMPLETE,
-                            rec.FIRST_COMPUTE_INCOMPLETE, rec.ABANDONED):
+                            rec.FIRST_COMPUTE_INCOMPLETE, rec.ABANDONED, rec.RESTORE_FAILED,
+                            rec.RECOMPUTED):
                 self.episodes[(outcome,)] += 0
         if open_receipts is not None:
             m.create_observable_gauge(
@@ -90,8 +100,8 @@ class MetricsBuilder:
              "Host records that could not be joined (late, unknown or duplicate receipts; "
              "results without a submission or job)"),
             (refused, "kvobs.host.refused", "{record}", "reason",
-             "Host contracts and records refused (unknown versions, malformed records), "
-             "by reason"),
+             "Hosts, host contracts and records refused (vLLM versions or shapes the seams "
+             "do not fit, unknown vLLM-HUST contracts, malformed records), by reason"),
         ):
             if source is not None:
                 m.create_observable_counter(name, unit=unit, description=description,
@@ -132,7 +142,7 @@ class MetricsBuilder:
                                           ("clock", "device")), float(r.device_time_s), tid, sid)
         elif isinstance(r, rec.JobRecord):
             self.jobs[(r.kind, r.outcome)] += 1
-            if r.outcome != rec.COMPLETE:
+            if r.outcome in _INCOMPLETE:  # a failed transfer's receipt is complete
                 self.incomplete[(r.kind, r.outcome)] += 1
         elif isinstance(r, rec.EpisodeRecord):
             self.episodes[(r.outcome,)] += 1
@@ -143,5 +153,10 @@ class MetricsBuilder:
                 self.recovery.record((), (r.end_ns - r.start_ns) * _NS, tid, sid)
             if r.admitted_ns is not None and r.ready_ns is not None:
                 self.admission_wait.record((), max(0, r.admitted_ns - r.ready_ns) * _NS, tid, sid)
+            for source, n in (("discarded", r.tokens_discarded), ("restored", r.tokens_restored),
+                              ("resident", r.tokens_resident),
+                              ("recomputed", r.tokens_recomputed)):
+                if n:
+                    self.tokens[(source,)] += n
         elif isinstance(r, rec.FirstComputeRecord):
             self.first_compute[(r.rank, r.compute_kind)] += 1

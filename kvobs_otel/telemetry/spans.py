@@ -62,6 +62,12 @@ Ref = tuple[int, int]
 LinkT = tuple[int, int, bool, int, dict[str, Any]]
 
 
+# Outcomes that end a span with ERROR status (error.type named here).
+_JOB_ERROR = {rec.JOB_FAILED: "transfer_failed"}
+_EPISODE_ERRORS = frozenset((rec.RECEIPT_INCOMPLETE, rec.FIRST_COMPUTE_INCOMPLETE,
+                             rec.ABANDONED, rec.RESTORE_FAILED))
+
+
 def _random_id(bits: int) -> int:
     return _random_bits(bits) or 1
 
@@ -174,12 +180,27 @@ class SpanBuilder:
         self._ids_list(attrs, A.RECEIPT_MISSING, r.missing_ranks)
         if r.duplicate_receipts:
             attrs[A.RECEIPT_DUPLICATES] = r.duplicate_receipts
+        if r.last_ranks:
+            self._ids_list(attrs, A.RECEIPT_LAST, r.last_ranks)
+            attrs[A.RECEIPT_SPREAD] = r.receipt_spread_ns * 1e-9
+        events = None
+        if r.kind == "store":
+            attrs[A.HOST_CHUNKS] = r.host_chunks
+        if r.failed_ranks:
+            self._ids_list(attrs, A.RECEIPT_FAILED, r.failed_ranks)
+            if r.kind == "store":
+                # vLLM drops a failed store's chunks rather than publish them.
+                attrs[A.HOST_DROPPED] = r.host_chunks
+                events = [rec.EpisodeEvent("kv.host_tier.dropped", r.end_ns,
+                                           {A.HOST_DROPPED: r.host_chunks})]
         if r.episode_role:
             attrs[A.JOB_ROLE] = r.episode_role
             attrs[A.EPOCH] = r.episode_epoch
         self._span(A.SPAN_JOB, root, r.start_ns, r.end_ns, attrs,
                    span_id=identity.job_span_id(r.sched_gen, r.job_id),
-                   error=None if r.outcome == rec.COMPLETE else r.outcome)
+                   error=None if r.outcome == rec.COMPLETE else _JOB_ERROR.get(r.outcome,
+                                                                                r.outcome),
+                   events=events)
 
     def _transfer(self, r: rec.TransferRecord) -> None:
         if r.join_scope == rec.JOIN_PROCESS:
@@ -236,8 +257,16 @@ class SpanBuilder:
             self._ids_list(attrs, A.INCOMPLETE_JOBS, r.incomplete_jobs)
         if r.compute_kind:
             attrs[A.COMPUTE_KIND] = r.compute_kind
-        failed = r.outcome in (rec.RECEIPT_INCOMPLETE, rec.FIRST_COMPUTE_INCOMPLETE,
-                               rec.ABANDONED)
+        if r.failed_restore_jobs:
+            self._ids_list(attrs, A.RESTORE_FAILED_JOBS, r.failed_restore_jobs)
+            self._ids_list(attrs, A.RESTORE_FAILED_RANKS, r.failed_ranks)
+        for key, value in ((A.TOKENS_DISCARDED, r.tokens_discarded),
+                           (A.TOKENS_RESTORED, r.tokens_restored),
+                           (A.TOKENS_RESIDENT, r.tokens_resident),
+                           (A.TOKENS_RECOMPUTED, r.tokens_recomputed)):
+            if value is not None:
+                attrs[key] = value
+        failed = r.outcome in _EPISODE_ERRORS
         links = list(self._link(r.traceparent) or [])
         rtid, rsid = identity.request_ids(r.sched_gen, r.req_id)
         if identity.traffic_sampled(rtid, self.ratio):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs_otel.config import Settings
+from kvobs_otel.hosts.vllm import releases
 
 logger = logging.getLogger("kvobs_otel")
 
@@ -25,6 +26,9 @@ _MISSING = object()
 _patches: list[tuple[type, str, Any]] = []
 _connectors: weakref.WeakSet[Any] = weakref.WeakSet()
 _settings: Settings | None = None
+_release: releases.Release | None = None
+# Why this process's vLLM was refused (set once; vLLM then stays untouched).
+_refusal: releases.Selection | None = None
 
 
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -101,6 +105,30 @@ def _worker_meta(orig):
     return build_connector_worker_meta
 
 
+def _after_alloc(orig):
+    def update_state_after_alloc(self, request, blocks, num_external_tokens, *args, **kwargs):
+        result = orig(self, request, blocks, num_external_tokens, *args, **kwargs)
+        s = self.__dict__.get(_ATTR)
+        if s is not None:  # once per admission, not per step
+            s.after_alloc(request, num_external_tokens)
+        return result
+    return update_state_after_alloc
+
+
+def _preempt(orig):
+    # vllm.v1.core.sched.scheduler.Scheduler._preempt_request zeroes the
+    # request's computed tokens: read them first (preemptions are rare).
+    def _preempt_request(self, request, *args, **kwargs):
+        s = getattr(getattr(self, "connector", None), "__dict__", _NO_DICT).get(_ATTR)
+        if s is not None:
+            s.on_preempt(request)
+        return orig(self, request, *args, **kwargs)
+    return _preempt_request
+
+
+_NO_DICT: dict[str, Any] = {}
+
+
 def _connector_output(orig):
     def update_connector_output(self, connector_output, *args, **kwargs):
         result = orig(self, connector_output, *args, **kwargs)
@@ -166,8 +194,8 @@ def _register_kv_caches(orig):
 
 def _attach(connector: Any) -> None:
     """Give a freshly built connector its role's seams (never raises)."""
-    settings = _settings
-    if settings is None or not settings.enabled:
+    settings, release = _settings, _release
+    if settings is None or release is None or not settings.enabled:
         return
     try:
         from kvobs_otel.hosts.vllm.seams import SchedulerSeams, WorkerSeams
@@ -175,9 +203,9 @@ def _attach(connector: Any) -> None:
 
         pipeline = get_pipeline(settings)
         if getattr(connector, "connector_scheduler", None) is not None:
-            connector.__dict__[_ATTR] = SchedulerSeams(connector, settings, pipeline)
+            connector.__dict__[_ATTR] = SchedulerSeams(connector, settings, pipeline, release)
         elif getattr(connector, "connector_worker", None) is not None:
-            seams = WorkerSeams(connector, settings, pipeline)
+            seams = WorkerSeams(connector, settings, pipeline, release)
             connector.__dict__[_ATTR] = seams
             connector.connector_worker.__dict__[_ATTR] = seams
         _connectors.add(connector)
@@ -186,25 +214,92 @@ def _attach(connector: Any) -> None:
                        type(connector).__name__, exc_info=True)
 
 
-def patch_classes(settings: Settings) -> None:
-    global _settings
+def refusal() -> releases.Selection | None:
+    return _refusal
+
+
+def choose_release(settings: Settings) -> releases.Release | None:
+    """The release adapter for the installed vLLM, or None after refusing
+    (one log line, counted in kvobs.host.refused, nothing patched)."""
+    global _refusal
+    import vllm
+
+    sel = releases.select(str(vllm.__version__))
+    if sel.release is not None:
+        sel.mismatches = releases.check_shape(sel.release)
+        if not sel.mismatches:
+            if sel.untested:
+                logger.warning("kvobs-otel: vLLM %s is newer than the newest tested %s; "
+                               "its shape matches the %s seams, observing (untested)",
+                               sel.version, sel.release.tested, sel.release.name)
+            return sel.release
+        sel.reason = releases.REFUSED_SHAPE
+        sel.detail = (f"vLLM {sel.version} differs from the {sel.release.name} seams in "
+                      f"{len(sel.mismatches)} place(s): " + "; ".join(sel.mismatches))
+        sel.release = None
+    _refusal = sel
+    logger.error("kvobs-otel: observation stays off, vLLM untouched: %s", sel.detail)
+    _export_refusal(settings, sel)
+    return None
+
+
+class _Refused:
+    """What a refused process exports: its refusal, counted (the alert
+    KvobsVllmRefused fires on it), and nothing else."""
+
+    role = "host"
+
+    def __init__(self, reason: str) -> None:
+        self.refused = dict.fromkeys(releases.REFUSAL_REASONS, 0)
+        self.refused[reason] = 1
+
+    def refusals(self) -> dict[str, int]:
+        return dict(self.refused)
+
+    def anomalies(self) -> dict[str, int]:
+        return {}
+
+    def handle(self, event: tuple[Any, ...]) -> None:
+        pass
+
+
+def _export_refusal(settings: Settings, sel: releases.Selection) -> None:
+    try:
+        from kvobs_otel.hosts.platform import device_type
+        from kvobs_otel.pipeline import Observer, get_pipeline
+        from kvobs_otel.telemetry import attributes as A
+
+        pipeline = get_pipeline(settings)
+        observer = Observer(pipeline, lambda _sink: _Refused(sel.reason or ""), {
+            A.RES_ROLE: "host", A.RES_VLLM_VERSION: sel.version, A.RES_HOST_ADAPTER: "vllm",
+            A.RES_DEVICE: device_type(settings)})
+        pipeline.register(observer)
+    except Exception:
+        logger.warning("kvobs-otel: could not export the refusal", exc_info=True)
+
+
+def patch_classes(settings: Settings, release: releases.Release) -> None:
+    global _settings, _release
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
         OffloadingConnectorWorker,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-    _settings = settings
+    _settings, _release = settings, release
     C = OffloadingConnector
     _wrap(C, "__init__", _init)
     # scheduler role
     _wrap(C, "on_new_request", _after("on_new_request"))
+    _wrap(C, "update_state_after_alloc", _after_alloc)
     _wrap(C, "build_connector_meta", _build_meta)
     _wrap(C, "update_connector_output", _connector_output)
     _wrap(C, "request_finished", _after("on_request_finished"))
     _wrap(C, "request_finished_all_groups", _after("on_request_finished"))
     _wrap(C, "reset_cache", _after("on_reset_cache"))
+    _wrap(Scheduler, "_preempt_request", _preempt)
     # worker role
     _wrap(C, "handle_preemptions", _note_meta_handle)
     _wrap(C, "bind_connector_metadata", _note_meta_bind)
@@ -218,7 +313,7 @@ def patch_classes(settings: Settings) -> None:
 
 
 def unpatch_classes() -> None:
-    global _settings
+    global _settings, _release, _refusal
     while _patches:
         cls, name, original = _patches.pop()
         if original is _MISSING:
@@ -233,7 +328,7 @@ def unpatch_classes() -> None:
         if s is not None and hasattr(s, "unwrap_workers"):
             s.unwrap_workers()
     _connectors.clear()
-    _settings = None
+    _settings = _release = _refusal = None
     from kvobs_otel.pipeline import close_pipeline
 
     close_pipeline()

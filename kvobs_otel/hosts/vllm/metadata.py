@@ -7,7 +7,7 @@ scheduler -> workers: an attribute ``kvobs_step`` on the
 
 workers -> scheduler: ``ReceiptWorkerMetadata``, a subclass of
 ``OffloadingWorkerMetadata`` that adds who reported: ``reporters`` =
-((rank, worker_generation, (job_id, ...)), ...) and
+((rank, worker_generation, (job_id, ...), (failed_job_id, ...)), ...) and
 ``computed`` = ((rank, worker_generation, req_id, epoch), ...).
 
 Every field vLLM defines (``completed_jobs``, ``transfer_stats``, and from 0.34
@@ -41,7 +41,7 @@ _DEFAULTS = {f.name: f.default_factory for f in fields(OffloadingWorkerMetadata)
 
 @dataclass
 class ReceiptWorkerMetadata(OffloadingWorkerMetadata):
-    reporters: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
+    reporters: tuple[tuple[int, str, tuple[int, ...], tuple[int, ...]], ...] = ()
     computed: tuple[tuple[int, str, str, int], ...] = ()
 
     def aggregate(self, other: Any) -> Any:

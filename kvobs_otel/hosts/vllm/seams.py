@@ -15,6 +15,8 @@ from kvobs_otel import identity
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.platform import device_type, vllm_version
 from kvobs_otel.hosts.vllm.metadata import STEP_ATTR, extend
+from kvobs_otel.hosts.vllm.releases import Release
+from kvobs_otel.hosts.vllm.releases import blocks as _blocks
 from kvobs_otel.lifecycle import events as ev
 from kvobs_otel.lifecycle.events import COMPUTE_DECODE, COMPUTE_PREFILL
 from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
@@ -24,11 +26,6 @@ from kvobs_otel.telemetry import attributes as A
 
 _now = time.monotonic_ns
 ANY_BATCH = object()  # a V1 forward: every pending request is in the batch
-
-
-def _blocks(spec: Any) -> int:
-    ids = getattr(spec, "block_ids", None)
-    return len(ids) if ids is not None else 0
 
 
 def _adapter(connector: Any) -> str:
@@ -50,12 +47,18 @@ def _resource(connector: Any, settings: Settings, role: str, **extra: Any) -> di
     return attrs
 
 
+# vllm/v1/request.py RequestStatus: how the request ended.
+_FINISH_STATUS = {"FINISHED_ABORTED": ev.FINISHED_ABORTED, "FINISHED_ERROR": ev.FINISHED_ERROR}
+
+
 class SchedulerSeams:
     """Scheduler role: job creation, preemption, admission, receipts."""
 
-    def __init__(self, connector: Any, settings: Settings, pipeline: Pipeline) -> None:
+    def __init__(self, connector: Any, settings: Settings, pipeline: Pipeline,
+                 release: Release) -> None:
         cfg = connector._vllm_config
         self.gen = identity.new_generation()
+        self.load_row = release.load_row
         world = int(cfg.parallel_config.world_size)
         self.pipeline = pipeline
         self.observer = Observer(
@@ -69,6 +72,31 @@ class SchedulerSeams:
         self.requests: dict[str, Any] = {}
         # req_id -> epoch of an episode whose request is not yet re-admitted.
         self.open: dict[str, int] = {}
+        # req_id -> computed tokens the preemption discards (read just before
+        # vLLM zeroes them), until the step that reports the preemption.
+        self.discarded: dict[str, int] = {}
+        # req_id -> tokens the connector will load from the host tier for an
+        # open episode (update_state_after_alloc), until its admission.
+        self.restored: dict[str, int] = {}
+
+    def on_preempt(self, request: Any) -> None:
+        try:
+            r = request.request_id
+            self.discarded[r] = request.num_computed_tokens
+            self.restored.pop(r, None)
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        # A preempted request's re-admission may be planned in the very step
+        # that reports its preemption: num_preemptions, not the open episodes.
+        # After an async load vLLM allocates again (0 external tokens): sum.
+        try:
+            if request.num_preemptions and num_external_tokens:
+                r = request.request_id
+                self.restored[r] = self.restored.get(r, 0) + int(num_external_tokens)
+        except Exception:
+            self.pipeline.count_error("seam")
 
     def on_new_request(self, request: Any) -> None:
         try:
@@ -91,10 +119,10 @@ class SchedulerSeams:
             episodes: dict[str, int] = {}
             preempted: tuple[tuple[str, int], ...] = ()
             if preempted_ids:
-                reqs = self.requests
-                preempted = tuple([(r, reqs[r].num_preemptions)
+                reqs, discarded = self.requests, self.discarded
+                preempted = tuple([(r, reqs[r].num_preemptions, discarded.pop(r, None))
                                    for r in preempted_ids if r in reqs])
-                for r, epoch in preempted:
+                for r, epoch, _d in preempted:
                     open_[r] = episodes[r] = epoch
             admitted: dict[str, tuple[int, str]] = {}
             if open_:
@@ -110,13 +138,12 @@ class SchedulerSeams:
                 # (episodes is empty otherwise: the workers need nothing)
                 setattr(meta, STEP_ATTR, (self.gen, episodes, admitted))
                 self.offer((self.consumer, ev.S_STEP, _now(), preempted,
-                            tuple([(j, x.req_id, x.sync, _blocks(x.dst_spec))
-                                   for j, x in loads.items()]) if loads else (),
-                            tuple([(j, x.req_id, _blocks(x.src_spec))
+                            tuple([self.load_row(j, x) for j, x in loads.items()])
+                            if loads else (),
+                            tuple([(j, x.req_id, _blocks(x.src_spec), _blocks(x.dst_spec))
                                    for j, x in stores.items()]) if stores else (),
                             tuple(flushed) if flushed else (),
-                            tuple([(r, e, k) for r, (e, k) in admitted.items()])
-                            if admitted else ()))
+                            self._accounted(admitted) if admitted else ()))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -132,6 +159,13 @@ class SchedulerSeams:
             if tokens:
                 # All KV back: only the next token is computed.
                 out[r] = (epoch, COMPUTE_DECODE if tokens == 1 else COMPUTE_PREFILL)
+
+    def _accounted(self, admitted: dict[str, tuple[int, str]]) -> tuple[tuple[Any, ...], ...]:
+        # Before vLLM adds this step's tokens: what the request already holds
+        # on the device (prefix-cache hit + what the host tier restored).
+        reqs, restored = self.requests, self.restored
+        return tuple([(r, e, k, reqs[r].num_computed_tokens if r in reqs else None,
+                       restored.pop(r, 0)) for r, (e, k) in admitted.items()])
 
     def after_connector_output(self, output: Any) -> None:
         try:
@@ -149,8 +183,10 @@ class SchedulerSeams:
             r = request.request_id
             self.requests.pop(r, None)
             self.open.pop(r, None)
-            aborted = getattr(request.status, "name", "") == "FINISHED_ABORTED"
-            self.offer((self.consumer, ev.S_FINISHED, _now(), r, aborted))
+            self.discarded.pop(r, None)
+            self.restored.pop(r, None)
+            self.offer((self.consumer, ev.S_FINISHED, _now(), r,
+                        _FINISH_STATUS.get(getattr(request.status, "name", ""), ev.FINISHED_OK)))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -171,8 +207,10 @@ class SchedulerSeams:
 class WorkerSeams:
     """Worker role: submissions, results, receipts, first compute."""
 
-    def __init__(self, connector: Any, settings: Settings, pipeline: Pipeline) -> None:
+    def __init__(self, connector: Any, settings: Settings, pipeline: Pipeline,
+                 release: Release) -> None:
         pc = connector._vllm_config.parallel_config
+        self.failed_jobs = release.failed_jobs
         self.rank = int(pc.rank)
         tp = max(1, int(pc.tensor_parallel_size))
         self.gen = identity.new_generation()
@@ -268,7 +306,8 @@ class WorkerSeams:
         called when vLLM has some or a first compute is to be reported."""
         try:
             completed = meta.completed_jobs if meta is not None else None
-            out = extend(meta, ((self.rank, self.gen, tuple(completed)),) if completed else (),
+            out = extend(meta, ((self.rank, self.gen, tuple(completed),
+                                 self.failed_jobs(meta)),) if completed else (),
                          tuple(self.computed))
             self.computed.clear()  # only once they are on their way
             return out

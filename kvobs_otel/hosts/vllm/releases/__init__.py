@@ -1,0 +1,186 @@
+"""The vLLM releases kvobs-otel supports, and what differs between them.
+
+One module per release series (``v0_32``, ``v0_33``, ``v0_34``), each a
+``Release``: the shape of vLLM the seams rely on (classes, methods and their
+parameters, dataclass fields) and the few facts that differ (readers the
+seams call instead of testing versions). The seams, lifecycles, span and
+metric builders never look at a version number; a new vLLM release costs one
+module here (and one CI environment).
+
+At patch time ``select()`` picks the release of the installed vLLM and
+``check_shape()`` compares its declared shape with what is installed: any
+difference refuses observation (one log line, ``kvobs.host.refused``, vLLM
+untouched) rather than exporting wrong or partial traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Where the seams attach (module paths of the installed vLLM).
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:OffloadingConnector"
+BASE_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1"
+CONNECTOR_WORKER = ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker:"
+                    "OffloadingConnectorWorker")
+COMMON = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
+OFFLOAD_BASE = "vllm.v1.kv_offload.base"
+SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+
+# Refusal reasons (the ``reason`` of kvobs.host.refused).
+REFUSED_VERSION = "vllm_version_unsupported"
+REFUSED_UNTESTED = "vllm_version_untested"
+REFUSED_SHAPE = "vllm_shape_changed"
+REFUSAL_REASONS = (REFUSED_VERSION, REFUSED_UNTESTED, REFUSED_SHAPE)
+
+# Newer vLLM than the newest tested release: refused unless this is set, as
+# opentelemetry-instrument refuses library versions outside an
+# instrumentation's declared range. Even then the shape check must pass.
+ENV_ALLOW_UNTESTED = "KVOBS_OTEL_ALLOW_UNTESTED_VLLM"
+
+
+def _no_failures(meta: Any) -> tuple[int, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class Release:
+    series: tuple[int, int]  # (0, 34)
+    tested: str  # the exact release CI runs: "0.34.0"
+    # "module:Qualname" -> parameter names of a method (``**kw`` for keyword
+    # catch-alls), or the field names a dataclass must have (a subset: fields
+    # vLLM adds are carried by name, see metadata.py).
+    methods: Mapping[str, tuple[str, ...]]
+    dataclass_fields: Mapping[str, tuple[str, ...]]
+    # (job_id, TransferJob) -> (job_id, req_id, sync, blocks) for a load job.
+    load_row: Callable[[int, Any], tuple[Any, ...]]
+    # vLLM's worker metadata -> ids of jobs whose transfer failed.
+    failed_jobs: Callable[[Any], tuple[int, ...]] = _no_failures
+    # The model runners this release has (the harness drives each).
+    runners: tuple[str, ...] = ("v2",)
+    # What a trace from this release lacks or adds, for the docs and doctor.
+    notes: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return ".".join(map(str, self.series))
+
+
+def blocks(spec: Any) -> int:
+    ids = getattr(spec, "block_ids", None)
+    return len(ids) if ids is not None else 0
+
+
+def supported() -> tuple[Release, ...]:
+    from kvobs_otel.hosts.vllm.releases import v0_32, v0_33, v0_34
+
+    return (v0_32.RELEASE, v0_33.RELEASE, v0_34.RELEASE)
+
+
+def window() -> str:
+    """The supported range as a requirement specifier: ``>=0.32.0,<0.35``."""
+    rels = supported()
+    low, high = rels[0], rels[-1]
+    return f">={low.tested},<{high.series[0]}.{high.series[1] + 1}"
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return parts[0], parts[1], parts[2]
+
+
+@dataclass
+class Selection:
+    """What ``select`` decided for an installed vLLM version."""
+
+    version: str
+    release: Release | None
+    untested: bool = False
+    reason: str | None = None  # a REFUSED_* reason when release is None
+    detail: str = ""
+    mismatches: list[str] = field(default_factory=list)
+
+
+def select(version: str, env: Mapping[str, str] | None = None) -> Selection:
+    """The release adapter for ``version``, or why there is none."""
+    env = os.environ if env is None else env
+    v = parse_version(version)
+    rels = supported()
+    for r in rels:
+        if v[:2] == r.series:
+            return Selection(version, r)
+    if v[:2] < rels[0].series:
+        return Selection(version, None, reason=REFUSED_VERSION,
+                         detail=f"vLLM {version} is older than the oldest supported "
+                                f"{rels[0].tested} (supported: vllm{window()})")
+    newest = rels[-1]
+    if env.get(ENV_ALLOW_UNTESTED, "").strip().lower() in ("1", "true", "yes", "on"):
+        return Selection(version, newest, untested=True)
+    return Selection(version, None, reason=REFUSED_UNTESTED,
+                     detail=f"vLLM {version} is newer than the newest tested "
+                            f"{newest.tested} (supported: vllm{window()}); set "
+                            f"{ENV_ALLOW_UNTESTED}=1 to try the {newest.name} seams "
+                            "(they still refuse if vLLM's shape changed)")
+
+
+def resolve(path: str) -> Any:
+    module, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def parameters(fn: Any) -> tuple[str, ...]:
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            out.append("**" + p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            out.append("*" + p.name)
+        else:
+            out.append(p.name)
+    return tuple(out)
+
+
+def check_shape(release: Release) -> list[str]:
+    """Every difference between ``release``'s declared shape and the
+    installed vLLM, one line each (empty: the seams fit)."""
+    problems = []
+    for path, want in release.methods.items():
+        try:
+            got = parameters(resolve(path))
+        except Exception as e:  # missing module, class or method
+            problems.append(f"{path}: {type(e).__name__}: {e}")
+            continue
+        if got != want:
+            problems.append(f"{path}{_sig(got)}, expected {_sig(want)}")
+    for path, want in release.dataclass_fields.items():
+        try:
+            cls = resolve(path)
+            got = tuple(f.name for f in dataclasses.fields(cls))
+        except Exception as e:
+            problems.append(f"{path}: {type(e).__name__}: {e}")
+            continue
+        missing = [f for f in want if f not in got]
+        if missing:
+            problems.append(f"{path} lacks field(s) {', '.join(missing)}")
+    return problems
+
+
+def _sig(params: tuple[str, ...]) -> str:
+    return "(" + ", ".join(params) + ")"

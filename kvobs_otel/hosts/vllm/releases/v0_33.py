@@ -1,0 +1,63 @@
+"""vLLM 0.33: sync loads (``TransferJob.sync``, ``submit_load(expedited=)``),
+both model runners (V2 the default). Transfer failures are asserted away by
+vLLM itself, so none is ever reported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvobs_otel.hosts.vllm.releases import (
+    BASE_CONNECTOR,
+    COMMON,
+    CONNECTOR,
+    CONNECTOR_WORKER,
+    OFFLOAD_BASE,
+    SCHEDULER,
+    Release,
+    blocks,
+)
+
+# What every seam wraps or reads; the other releases state how they differ.
+METHODS: dict[str, tuple[str, ...]] = {
+    f"{CONNECTOR}.__init__": ("self", "vllm_config", "role", "kv_cache_config"),
+    f"{CONNECTOR}.on_new_request": ("self", "request"),
+    f"{CONNECTOR}.update_state_after_alloc": ("self", "request", "blocks",
+                                              "num_external_tokens"),
+    f"{CONNECTOR}.build_connector_meta": ("self", "scheduler_output"),
+    f"{CONNECTOR}.update_connector_output": ("self", "connector_output"),
+    f"{CONNECTOR}.request_finished": ("self", "request", "block_ids"),
+    f"{CONNECTOR}.request_finished_all_groups": ("self", "request", "block_ids"),
+    f"{CONNECTOR}.reset_cache": ("self",),
+    f"{CONNECTOR}.handle_preemptions": ("self", "kv_connector_metadata"),
+    f"{CONNECTOR}.start_load_kv": ("self", "forward_context", "**kwargs"),
+    f"{CONNECTOR}.wait_for_save": ("self",),
+    f"{CONNECTOR}.build_connector_worker_meta": ("self",),
+    f"{CONNECTOR}.register_kv_caches": ("self", "kv_caches"),
+    f"{CONNECTOR}.shutdown": ("self",),
+    f"{BASE_CONNECTOR}.bind_connector_metadata": ("self", "connector_metadata"),
+    f"{CONNECTOR_WORKER}._init_worker": ("self", "kv_caches"),
+    f"{OFFLOAD_BASE}:OffloadingWorker.submit_store": ("self", "job_id", "src_spec",
+                                                      "dst_spec"),
+    f"{OFFLOAD_BASE}:OffloadingWorker.submit_load": ("self", "job_id", "src_spec",
+                                                     "dst_spec", "expedited"),
+    f"{OFFLOAD_BASE}:OffloadingWorker.get_finished": ("self",),
+    # Read the computed tokens a preemption discards before vLLM zeroes them.
+    f"{SCHEDULER}._preempt_request": ("self", "request", "timestamp", "drop_stale_output"),
+}
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    f"{COMMON}:TransferJob": ("req_id", "src_spec", "dst_spec", "sync"),
+    f"{COMMON}:OffloadingConnectorMetadata": ("load_jobs", "store_jobs", "jobs_to_flush"),
+    f"{COMMON}:OffloadingWorkerMetadata": ("completed_jobs", "transfer_stats"),
+    f"{OFFLOAD_BASE}:TransferResult": ("job_id", "success", "transfer_size", "transfer_time"),
+}
+
+
+def load_row(job_id: int, job: Any) -> tuple[Any, ...]:
+    return (job_id, job.req_id, job.sync, blocks(job.dst_spec))
+
+
+RELEASE = Release(
+    series=(0, 33), tested="0.33.0", methods=METHODS, dataclass_fields=FIELDS,
+    load_row=load_row, runners=("v2", "v1"),
+)

@@ -1,17 +1,25 @@
-"""``kvobs-otel check SOURCE``: is every recorded recovery a complete chain?"""
+"""``kvobs-otel check SOURCE``: is every recorded recovery a complete chain?
+
+A failed restore (``restore_failed``, ``recomputed``; vLLM 0.34+) whose chain
+is consistent is complete: the check judges the evidence, not the outcome
+(the alert ``KvobsRestoreFailed`` is what reports the failure). Such episodes
+are counted on their own in the summary, so a failure is visible here too
+without turning the exit status to 1.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from kvobs_otel.analysis.episodes import Episode, rebuild
+from kvobs_otel.analysis.episodes import FAILED_RESTORE, Episode, rebuild
 from kvobs_otel.otlp_file import FileSpan
 
 
 def check_spans(spans: list[FileSpan]) -> tuple[list[Episode], dict[str, Any]]:
     episodes = rebuild(spans)
     incomplete = [e for e in episodes if not e.complete]
+    failed = [e for e in episodes if e.outcome in FAILED_RESTORE]
     summary = {
         "spans": len(spans),
         "episodes": len(episodes),
@@ -20,10 +28,18 @@ def check_spans(spans: list[FileSpan]) -> tuple[list[Episode], dict[str, Any]]:
         # Episodes whose ranks could not be joined (vLLM-HUST contract v1):
         # judged on the scheduler's evidence only.
         "scheduler_only": sum(e.join_scope != "cluster" for e in episodes),
+        # Failed restores by outcome, complete or not (an inconsistent one is
+        # in incomplete_episodes as well).
+        **{outcome: sum(e.outcome == outcome for e in failed) for outcome in FAILED_RESTORE},
         "incomplete_episodes": [{
             "request_id": e.request_id, "epoch": e.epoch, "trace_id": e.trace_id,
             "outcome": e.outcome, "ranks": e.expected_ranks, "problems": e.problems,
         } for e in incomplete],
+        "failed_restore_episodes": [{
+            "request_id": e.request_id, "epoch": e.epoch, "trace_id": e.trace_id,
+            "outcome": e.outcome, "failed_job_ids": e.failed_restore_jobs,
+            "failed_ranks": e.failed_ranks, "complete": e.complete,
+        } for e in failed],
     }
     return episodes, summary
 
@@ -41,8 +57,10 @@ def format_table(episodes: list[Episode], show_all: bool = False) -> str:
             cells = (c.ljust(w) for c, w in zip(r, widths, strict=False))
             lines.append("  ".join(cells) + "  " + r[-1])
     done = sum(e.complete for e in episodes)
+    failed = ", ".join(f"{outcome}: {sum(e.outcome == outcome for e in episodes)}"
+                       for outcome in FAILED_RESTORE)
     lines.append(f"{len(episodes)} recovery episodes: {done} complete, "
-                 f"{len(episodes) - done} incomplete")
+                 f"{len(episodes) - done} incomplete; {failed}")
     unjoined = sum(e.join_scope != "cluster" for e in episodes)
     if unjoined:
         lines.append(f"{unjoined} judged on scheduler evidence only (ranks not joinable: "

@@ -31,7 +31,10 @@ DEFAULT_TITLE = "kvobs-otel recovery report"
 MAX_EPISODES = 200
 
 _OK_OUTCOMES = {"recovered"}
-_BENIGN_OUTCOMES = {"finished_before_resume", "aborted_before_resume", "preempted_again"}
+# recomputed: the request came back, but from scratch (its restore failed);
+# restore_failed stays an error.
+_BENIGN_OUTCOMES = {"finished_before_resume", "aborted_before_resume", "preempted_again",
+                    "recomputed"}
 
 
 def write_report(spans: list[FileSpan], path: str, title: str | None = None) -> None:
@@ -138,7 +141,7 @@ def _summary(spans: list[FileSpan], episodes: list[Episode], recovered: list[flo
     ranks.discard(None)
     cards = [
         ("episodes", f"{len(episodes)}", "kv.recovery roots"),
-        ("complete", f"{complete}", "whole chain, recovered"),
+        ("complete", f"{complete}", "whole chain, however it ended"),
         ("not complete", f"{len(episodes) - complete}",
          "problems marked in red below" if complete < len(episodes) else "\u2013"),
         ("spans", f"{len(spans)}", f"from {len(procs)} process{'es' if len(procs) != 1 else ''}"

@@ -3,20 +3,34 @@
 Input: flat spans (``FileSpan``) from an OTLP JSON file or a Jaeger query.
 An episode is complete when it ended properly (see ``ENDED_OK``) and its
 trace holds the whole chain: every restore job's receipt from every rank, a
-restore transfer from every rank and, when it recovered, exactly one
-admission and exactly one first compute per rank.
+restore transfer from every rank and, when the request came back (recovered,
+recomputed), exactly one admission and exactly one first compute per rank.
+
+A failed restore (vLLM 0.34+) is a properly ended episode too: its restore
+transfers may have failed, and at least one did, on a rank the episode names
+(``kvobs.restore.failed_ranks``). ``restore_failed`` (vLLM ended the request
+with an error) has no admission; ``recomputed`` (vLLM computed the request
+again from scratch) has one, of compute kind prefill.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvobs_otel.otlp_file import FileSpan
 
-# Episodes that ended properly. Only "recovered" has an admission and first
-# computes; the others ended before the request came back, which is no fault.
-ENDED_OK = {"recovered", "finished_before_resume", "aborted_before_resume", "preempted_again"}
+# Episodes that ended properly. "recovered" and "recomputed" have an
+# admission and first computes; the others ended before the request came back,
+# which is no fault of the chain.
+ENDED_OK = {"recovered", "finished_before_resume", "aborted_before_resume", "preempted_again",
+            "restore_failed", "recomputed"}
+# A restore failed on some rank (vLLM 0.34+): the request ended with an error
+# (kv_load_failure_policy "fail") or was computed again from scratch ("recompute").
+FAILED_RESTORE = ("restore_failed", "recomputed")
+# The request came back: one admission, one first compute per rank.
+ADMITTED = ("recovered", "recomputed")
 
 
 @dataclass
@@ -52,10 +66,23 @@ class Episode:
     def restore_jobs(self) -> list[int]:
         return [int(j) for j in self.root.attributes.get("kvobs.restore.job_ids") or []]
 
+    @property
+    def failed_restore_jobs(self) -> list[int]:
+        return [int(j) for j in self.root.attributes.get("kvobs.restore.failed_job_ids") or []]
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [int(r) for r in self.root.attributes.get("kvobs.restore.failed_ranks") or []]
+
 
 def _rank(span: FileSpan) -> int | None:
     rank = span.attributes.get("kvobs.rank", span.resource.get("kvobs.rank"))
     return int(rank) if rank is not None else None
+
+
+def _sorted_ranks(ranks: Iterable[int | None]) -> list[int | None]:
+    """Distinct ranks in order; a span without one (None) last."""
+    return sorted(set(ranks), key=lambda r: (r is None, r or 0))
 
 
 def _check(ep: Episode) -> None:
@@ -63,10 +90,15 @@ def _check(ep: Episode) -> None:
     ranks = set(range(ep.expected_ranks))
     if ep.outcome not in ENDED_OK:
         p.append(f"outcome {ep.outcome}")
+    failed_restore = ep.outcome in FAILED_RESTORE
+    # A failed restore's transfers may have failed; any other episode's
+    # restores all succeeded.
+    transfer_ok = ("ok", "failed") if failed_restore else ("ok",)
     # A host that cannot join processes (vLLM-HUST contract v1) leaves the
     # ranks' spans in their own traces: judge only what the scheduler saw.
     ranks_joined = ep.join_scope == "cluster"
     jobs = {int(s.attributes.get("kvobs.job.id", -1)): s for s in ep.named("kv.job")}
+    transfers = ep.named("kv.transfer")
     for job_id in ep.restore_jobs:
         job = jobs.get(job_id)
         if job is None:
@@ -79,16 +111,30 @@ def _check(ep: Episode) -> None:
                          + (f", missing ranks {missing}" if missing else ""))
         if not ranks_joined:
             continue
-        got = {_rank(s) for s in ep.named("kv.transfer")
+        got = {_rank(s) for s in transfers
                if int(s.attributes.get("kvobs.job.id", -1)) == job_id
-               and s.attributes.get("kvobs.outcome") == "ok"}
+               and s.attributes.get("kvobs.outcome") in transfer_ok}
         if got != ranks:
             p.append(f"restore job {job_id}: restore missing on ranks {sorted(ranks - got)}")
-    if ep.outcome != "recovered":
-        return
+    if failed_restore:
+        _check_failure(ep, transfers, ranks_joined)
     n_adm = len(ep.named("kv.admission"))
+    if ep.outcome == "restore_failed":
+        # vLLM ended the request: it never came back.
+        if n_adm:
+            p.append(f"admission present ({n_adm}) after the request failed")
+        fc_ranks = _sorted_ranks(_rank(s) for s in ep.named("kv.first_compute"))
+        if fc_ranks:
+            p.append(f"first compute present on ranks {fc_ranks} after the request failed")
+        return
+    if ep.outcome not in ADMITTED:
+        return
     if n_adm != 1:
         p.append("admission missing" if n_adm == 0 else f"admission duplicated ({n_adm})")
+    elif ep.outcome == "recomputed":
+        kind = ep.named("kv.admission")[0].attributes.get("kvobs.compute.kind")
+        if kind != "prefill":
+            p.append(f"recomputed but admitted as {kind or 'unknown'}, not prefill")
     if not ranks_joined:
         return
     fc = Counter(_rank(s) for s in ep.named("kv.first_compute"))
@@ -97,6 +143,28 @@ def _check(ep: Episode) -> None:
     dup = sorted(r for r, n in fc.items() if n > 1)
     if dup:
         p.append(f"first compute duplicated on ranks {dup}")
+
+
+def _check_failure(ep: Episode, transfers: list[FileSpan], ranks_joined: bool) -> None:
+    """A failed restore names its failed jobs and ranks, and (when the ranks'
+    spans are joined) a failed restore transfer on one of those ranks shows it."""
+    p = ep.problems
+    failed_jobs, failed_ranks = ep.failed_restore_jobs, set(ep.failed_ranks)
+    if not failed_jobs:
+        p.append("failed restore names no job (kvobs.restore.failed_job_ids)")
+    stray = sorted(set(failed_jobs) - set(ep.restore_jobs))
+    if stray and "kvobs.restore.job_ids.dropped" not in ep.root.attributes:  # list capped
+        p.append(f"failed restore jobs {stray} are not restore jobs of the episode")
+    if not failed_ranks:
+        p.append("failed restore names no rank (kvobs.restore.failed_ranks)")
+    if not ranks_joined or not failed_jobs or not failed_ranks:
+        return
+    failed = {_rank(s) for s in transfers
+              if int(s.attributes.get("kvobs.job.id", -1)) in failed_jobs
+              and s.attributes.get("kvobs.outcome") == "failed"}
+    if not failed & failed_ranks:
+        p.append(f"no failed restore transfer on failed ranks {sorted(failed_ranks)}"
+                 + (f" (failed on ranks {_sorted_ranks(failed)})" if failed else ""))
 
 
 def rebuild(spans: list[FileSpan]) -> list[Episode]:

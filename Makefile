@@ -1,19 +1,24 @@
 # Fresh machine: `make demo` runs the main job, `make test` runs the tests.
-# Both build (once) the cached CPU vLLM environment via .ci/setup-env.sh.
+# Both build (once) the cached CPU vLLM environments via .ci/setup-env.sh:
+# one per supported vLLM release (.ci/envs/recipes.sh), the newest by default.
+#   make test                       whole suite on the newest vLLM, then the
+#                                   `vllm`-marked tests on each other release
+#   make test VLLM=0.33.0           whole suite on that release only
+#   make test ARGS="-x -q tests/test_vllm_metadata.py"   pytest arguments
+# VLLM=... also picks the environment of demo, lint, bench and env.
 SHELL := /bin/bash
 
 .PHONY: demo test lint env
 env:
-	@bash .ci/setup-env.sh
+	@bash .ci/setup-env.sh $(VLLM)
 demo:
-	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/kvobs-otel demo $(ARGS)
+	@venv=$$(bash .ci/setup-env.sh $(VLLM)) && $$venv/bin/kvobs-otel demo $(ARGS)
 test:
-	@venv=$$(bash .ci/setup-env.sh) && eval "$$(bash .ci/setup-servers.sh)" && \
-	  $$venv/bin/python -m pytest -q $(ARGS)
+	@KVOBS_VLLM="$(VLLM)" bash .ci/test-all.sh $(ARGS)
 lint:
-	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/ruff check kvobs_otel tests
+	@venv=$$(bash .ci/setup-env.sh $(VLLM)) && $$venv/bin/ruff check kvobs_otel tests
 # Benchmarks (docs/benchmarks.md): `make bench`, `make bench ARGS="--quick"`,
 # `make bench ARGS="--only B2"`. Results on stdout and in benchmarks-results.json.
 .PHONY: bench
 bench:
-	@venv=$$(bash .ci/setup-env.sh) && $$venv/bin/python -m benchmarks $(ARGS)
+	@venv=$$(bash .ci/setup-env.sh $(VLLM)) && $$venv/bin/python -m benchmarks $(ARGS)

@@ -104,3 +104,16 @@ def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     shared by the tests of every command that reads its output."""
     d = tmp_path_factory.mktemp("demo")
     return run_cli("demo", "--requests", "8", "--json", cwd=d), d / "kvobs-demo.otlp.jsonl"
+
+
+# A test using a real-vLLM fixture is a vLLM test wherever it lives, even in a
+# module without ``pytestmark = pytest.mark.vllm``: it runs on every supported
+# vLLM release (`make test`, .ci/test-all.sh).
+_VLLM_FIXTURES = {"observe", "demo_run"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.vllm)

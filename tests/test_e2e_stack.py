@@ -32,6 +32,8 @@ from otel_servers import (
 )
 from otlp_receiver import GrpcReceiver
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 

@@ -29,6 +29,8 @@ from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
 
 from chains import by_trace, view
 
+pytestmark = pytest.mark.vllm
+
 SETTINGS = Settings(enabled=True, drain_interval_s=0.02)
 
 

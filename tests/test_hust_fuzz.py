@@ -30,6 +30,8 @@ from kvobs_otel.hosts.hust import records as R
 from kvobs_otel.otlp_file import spans_from_document
 from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
 
+pytestmark = pytest.mark.vllm
+
 PURE = settings(max_examples=150, deadline=None)
 LIVE = settings(max_examples=15, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

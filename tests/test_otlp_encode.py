@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -17,6 +18,8 @@ from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry.otlp_encode import SpanEncoder
 
 from test_vllm_episodes import start_recovery
+
+pytestmark = pytest.mark.vllm
 
 
 def same(encoder: SpanEncoder, spans: list) -> None:

@@ -22,6 +22,8 @@ from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
 
 from test_vllm_episodes import start_recovery
 
+pytestmark = pytest.mark.vllm
+
 # Every attribute key the product may export (spans, events, links, resources,
 # metric points). A new key must be added here on purpose, after asking
 # whether it could carry anything private.

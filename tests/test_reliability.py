@@ -31,6 +31,8 @@ from kvobs_otel.telemetry import export
 from otel_servers import free_port, poll, start_collector
 from otlp_receiver import HttpReceiver
 
+pytestmark = pytest.mark.vllm
+
 SETTINGS = Settings(enabled=True, receipt_deadline_s=1.0, drain_interval_s=0.02)
 
 

@@ -17,6 +17,8 @@ from kvobs_otel.analysis.episodes import rebuild
 from kvobs_otel.otlp_file import FileSpan, read_spans
 from kvobs_otel.report import render_report, write_report
 
+pytestmark = pytest.mark.vllm
+
 CHROMIUM = "/usr/bin/chromium"
 WINDOW = (1400, 2000)
 HOSTILE = "<script>x</script>"

@@ -44,6 +44,8 @@ from otel_servers import (
 )
 from otlp_receiver import HttpReceiver
 
+pytestmark = pytest.mark.vllm
+
 # requests (under the OTLP/HTTP exporter) lets these override the exporter's own
 # CA file: set, OTEL_EXPORTER_OTLP_CERTIFICATE is ignored for http/protobuf (see
 # test_a_requests_ca_bundle_overrides_the_otlp_certificate_for_http). Some

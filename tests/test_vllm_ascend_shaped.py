@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.pipeline import current_pipeline
 
 from chains import assert_recovered_chain, by_trace, episodes, view
 from test_vllm_episodes import start_recovery
+
+pytestmark = pytest.mark.vllm
 
 ASCEND = {"connector": "AscendOffloadingConnector",
           "connector_module_path": "vllm_ascend_shaped"}

@@ -14,9 +14,9 @@ from kvobs_otel.pipeline import current_pipeline
 from chains import episodes, view
 from test_vllm_episodes import start_recovery
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     "failed_jobs" not in VLLM_FIELDS,
-    reason="this vLLM asserts every transfer succeeded (failures are reported from 0.34)")
+    reason="this vLLM asserts every transfer succeeded (failures are reported from 0.34)")]
 
 
 def run_failed_restore(policy: str, kind: str = "load") -> Harness:

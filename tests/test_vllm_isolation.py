@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import vllm
-
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -24,6 +23,8 @@ from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry.metrics import MetricsBuilder
 from kvobs_otel.telemetry.spans import SpanBuilder
+
+pytestmark = pytest.mark.vllm
 
 # The installed vLLM's adapter (reads TransferJob.sync where the release has it).
 RELEASE = releases.select(vllm.__version__).release
@@ -202,7 +203,6 @@ def test_uninstrument_restores_vllm_exactly(telemetry):
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
-
     from vllm.v1.core.sched.scheduler import Scheduler
 
     classes = (OffloadingConnector, OffloadingConnectorWorker, Scheduler)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
@@ -15,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from kvobs_otel.hosts.vllm.metadata import VLLM_FIELDS, ReceiptWorkerMetadata, extend
+
+pytestmark = pytest.mark.vllm
 
 
 def stock_meta(jobs: tuple[int, ...], failed: tuple[int, ...] = (), stored: int = 0,

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# `make test`: the tests in every supported vLLM environment.
+#
+#   .ci/test-all.sh [PYTEST ARGS...]
+#       the whole suite in the default (newest) environment, then the tests
+#       marked `vllm` (those importing vLLM or driving the real-vLLM harness
+#       or demo) in each other supported environment
+#   KVOBS_VLLM=VERSION .ci/test-all.sh [PYTEST ARGS...]   (make test VLLM=...)
+#       the whole suite in that one environment
+#
+# Environments (.ci/setup-env.sh) and servers (.ci/setup-servers.sh) are set
+# up first, once. Every run goes on after a failure; at the end one line per
+# version (passed/failed/skipped/errors, seconds), and the exit status is 1
+# when any run failed.
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$here/.."
+trap 'exit 130' INT  # Ctrl-C stops the loop, not just the current run
+
+mapfile -t supported < <(bash "$here/setup-env.sh" --list)
+if [ -n "${KVOBS_VLLM:-}" ]; then
+  runs=("$KVOBS_VLLM all")
+else
+  runs=("${supported[0]} all")
+  for v in "${supported[@]:1}"; do runs+=("$v vllm"); done
+fi
+
+declare -A venv
+for run in "${runs[@]}"; do
+  v=${run% *}
+  venv[$v]=$(bash "$here/setup-env.sh" "$v") || exit 1
+done
+servers=$(bash "$here/setup-servers.sh") || exit 1
+eval "$servers"
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+counts() {  # counts JUNIT_XML: "N passed, N failed, N skipped, N errors"
+  python3 - "$1" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print("no result"); sys.exit()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+print(f"{n['tests'] - n['failures'] - n['errors'] - n['skipped']} passed, "
+      f"{n['failures']} failed, {n['skipped']} skipped, {n['errors']} errors")
+PY
+}
+
+summary=()
+status=0
+for run in "${runs[@]}"; do
+  v=${run% *} scope=${run#* }
+  select=()
+  [ "$scope" = vllm ] && select=(-m vllm)
+  echo "== vLLM $v: pytest $(printf '%s ' "${select[@]}" "$@")(${venv[$v]})"
+  t0=$(date +%s.%N)
+  "${venv[$v]}/bin/python" -m pytest -q --junitxml="$tmp/$v.xml" "${select[@]}" "$@"
+  rc=$?
+  secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  # Exit 5: no test selected (e.g. ARGS naming only non-vLLM tests): fine
+  # for the `-m vllm` runs.
+  if [ $rc = 0 ] || { [ $rc = 5 ] && [ "$scope" = vllm ]; }; then
+    verdict=ok
+  else
+    verdict="FAILED (pytest exit $rc)"
+    status=1
+  fi
+  label="whole suite"
+  [ "$scope" = vllm ] && label="-m vllm"
+  summary+=("$(printf 'vLLM %-7s %-12s %-44s %8ss  %s' \
+    "$v" "$label" "$(counts "$tmp/$v.xml")" "$secs" "$verdict")")
+done
+echo "== kvobs-otel test summary"
+printf '%s\n' "${summary[@]}"
+exit $status

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvobs_otel.harness import compat
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -32,6 +34,7 @@ KV_CACHE_LAYOUT = "LBHNC"
 
 # kv_connector_extra_config keys read by the harness' CPU backend.
 STALL_KEY = "harness_stall"
+FAIL_KEY = "harness_fail"
 RECORD_KEY = "harness_record_transfers"
 
 
@@ -93,6 +96,11 @@ class EngineShape:
     extra_config: dict[str, Any] = field(default_factory=dict)
     engine_id: str = "kvobs-harness"
     model: TinyLlama = field(default_factory=TinyLlama)
+    # "v1" | "v2": the runner the ranks emulate (the config is validated for it).
+    model_runner: str = "v2"
+    # KVTransferConfig.kv_load_failure_policy ("fail" | "recompute"); None
+    # keeps vLLM's default.
+    kv_load_failure_policy: str | None = None
 
 
 def write_tiny_model_dir(directory: str, model: TinyLlama) -> str:
@@ -159,6 +167,9 @@ def build_vllm_config(model_dir: str, shape: EngineShape) -> VllmConfig:
         "cpu_bytes_to_use": aligned_chunk * shape.num_cpu_chunks,
     }
     extra.update(shape.extra_config)
+    policy: dict[str, Any] = {}
+    if shape.kv_load_failure_policy is not None:
+        policy["kv_load_failure_policy"] = shape.kv_load_failure_policy
     kv_transfer_config = KVTransferConfig(
         kv_connector=shape.connector,
         kv_connector_module_path=shape.connector_module_path,
@@ -166,15 +177,19 @@ def build_vllm_config(model_dir: str, shape: EngineShape) -> VllmConfig:
         kv_connector_extra_config=extra,
         engine_id=shape.engine_id,
         kv_buffer_device="cpu",
+        **policy,
     )
-    return VllmConfig(
-        model_config=model_config,
-        cache_config=cache_config,
-        scheduler_config=scheduler_config,
-        parallel_config=parallel_config,
-        device_config=DeviceConfig(device="cpu"),
-        kv_transfer_config=kv_transfer_config,
-    )
+    with compat.v2_config_validation(shape.model_runner):
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device_config=DeviceConfig(device="cpu"),
+            kv_transfer_config=kv_transfer_config,
+        )
+    compat.keep_async_scheduling(vllm_config, shape.async_scheduling)
+    return vllm_config
 
 
 def kv_cache_spec_for_rank(vllm_config: VllmConfig, model: TinyLlama) -> dict[str, KVCacheSpec]:
@@ -205,10 +220,6 @@ def build_kv_cache_configs(
     Mutates ``vllm_config`` the way the engine core does (layout, block counts).
     """
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import (
-        get_global_kv_cache_groups,
-        get_kv_cache_configs,
-    )
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
         resolve_cache_hit_alignment_tokens,
@@ -227,12 +238,10 @@ def build_kv_cache_configs(
         [[KV_CACHE_LAYOUT]] * world_size,
         [s for specs in kv_cache_specs for s in specs.values()],
     )
-    global_groups = get_global_kv_cache_groups(vllm_config, kv_cache_specs)
-    vllm_config.adjust_dcp_kv_cache_interleave_size(global_groups)
     # num_gpu_blocks_override decides the block count; the "available memory"
     # only has to be large enough not to trip the capacity check.
     available = [1 << 34] * world_size
-    kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs, available, global_groups)
+    kv_cache_configs = compat.get_kv_cache_configs(vllm_config, kv_cache_specs, available)
     for kv_cache_config in kv_cache_configs:
         kv_cache_config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
     scheduler_kv = generate_scheduler_kv_cache_config(kv_cache_configs)

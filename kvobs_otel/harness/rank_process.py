@@ -100,6 +100,8 @@ def _call(runner: Any, name: str, *args: Any) -> Any:
         return asdict(runner.stats)
     if name == "withheld_job_ids":
         return list(getattr(worker, "withheld_job_ids", []))
+    if name == "failed_job_ids":
+        return list(getattr(worker, "failed_job_ids", []))
     if name == "transfer_log":
         return list(getattr(worker, "transfer_log", []))
     if name == "check_request_kv":

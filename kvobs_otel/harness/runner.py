@@ -6,17 +6,25 @@ is named there, stock or instrumented, is the one exercised), the rank's KV
 cache tensors laid out by vLLM's own ``allocate_kv_cache`` (LBHNC, on CPU),
 and per step drives the connector in the order vLLM's runners do:
 
-* ``v2`` (vLLM 0.33's default runner, ``vllm/v1/worker/gpu/model_runner.py``):
+* ``v2`` (vLLM's default runner, the only one in 0.34,
+  ``vllm/v1/worker/gpu/model_runner.py``):
   vLLM's real ``ActiveKVConnector`` does the connector calls
   (``pre_forward``: handle_preemptions, bind metadata, sync loads;
   ``finish_forward``; ``post_forward``: async ``start_load_kv`` with the
   input-batch kwargs, ``wait_for_save``, ``get_transfer_results``, worker
   meta, clear; ``no_forward`` for 0-token steps, where ``start_load_kv`` gets
   no ``request_ids`` keyword).
-* ``v1`` (``vllm/v1/worker/gpu_model_runner.py``): ``handle_preemptions``
+* ``v1`` (``vllm/v1/worker/gpu_model_runner.py``, vLLM 0.32/0.33): ``handle_preemptions``
   first, then vLLM's real ``KVConnectorModelRunnerMixin`` context
   (``_get_kv_connector_output`` inside ``set_forward_context(attn_metadata)``)
   or ``kv_connector_no_forward`` (forward context with no attention metadata).
+
+Sampling follows the scheduler as vLLM's runners do: V2 samples once the
+scheduled positions reach the tokens it was handed at admission
+(``prefill_len``) and puts the token at the next position; V1 first trims the
+output tokens the scheduler no longer counts (``num_output_tokens``). A token
+the scheduler discarded (a failed sync load under the "recompute" policy) is
+therefore dropped here too, instead of stalling the request.
 
 The "forward" writes fabricated KV bytes for every scheduled token through
 vLLM's real per-layer hook (``maybe_transfer_kv_layer``: wait_for_layer_load /
@@ -39,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvobs_otel.harness import compat
 from kvobs_otel.harness.config import TinyLlama
 from kvobs_otel.harness.fabricate import KVFabricator, PrefixHashes, sampled_token
 
@@ -74,9 +83,17 @@ class _InputBatch:
 
 @dataclass
 class _ReqState:
+    # Every token of the sequence as this rank knows it (KV bytes derive from
+    # them); the newest sampled one has no KV yet.
     tokens: list[int]
     block_ids: list[int]
+    # The scheduler's computed-token count (positions come from it).
     num_computed: int
+    # Tokens handed over at admission: the prompt, plus the tokens generated
+    # before a preemption when the request resumes (V2's prefill_len).
+    prefill_len: int
+    # Prompt tokens (V1 aligns its output tokens past them).
+    prompt_len: int
     hashes: PrefixHashes = field(default_factory=PrefixHashes)
     # Entered the batch this step with computed tokens it did not compute here.
     needs_check: bool = False
@@ -138,8 +155,7 @@ class RankRunner:
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.worker.utils import allocate_kv_cache
 
-        if mode not in ("v1", "v2"):
-            raise ValueError(f"model_runner must be 'v1' or 'v2', not {mode!r}")
+        compat.check_model_runner(mode)
         assert vllm_config.parallel_config.rank == rank
         # What WorkerWrapperBase does in every vLLM worker process.
         load_general_plugins()
@@ -218,7 +234,6 @@ class RankRunner:
 
     def _execute_v2(self, so: SchedulerOutput) -> ModelRunnerOutput:
         from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import ModelRunnerOutput
 
         self._update_states(so, v2=True)
         self._zero_new_blocks(so)
@@ -242,13 +257,12 @@ class RankRunner:
             self._forward(so)
         self.kv.finish_forward()
         # sample_tokens()
-        output = self._sample(so, ModelRunnerOutput)
+        output = self._sample(so)
         output.kv_connector_output = self.kv.post_forward(so.finished_req_ids)
         return output
 
     def _execute_v1(self, so: SchedulerOutput) -> ModelRunnerOutput:
         from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.kv_connector_model_runner_mixin import (
             KVConnectorModelRunnerMixin as Mixin,
         )
@@ -271,7 +285,7 @@ class RankRunner:
             Mixin.maybe_get_kv_connector_output(so) as kv_connector_output,
         ):
             self._forward(so)
-        output = self._sample(so, ModelRunnerOutput)
+        output = self._sample(so)
         output.kv_connector_output = kv_connector_output
         return output
 
@@ -286,35 +300,61 @@ class RankRunner:
                 self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             self.stats.new_requests += 1
+            # V2 (v1/worker/gpu/model_runner.py add_requests) replaces any
+            # state with prefill_token_ids: the scheduler's whole sequence, so
+            # a resumed request drops whatever this rank had sampled past it.
             tokens = new.prefill_token_ids if v2 else new.prompt_token_ids
             assert tokens is not None
+            prompt_len = len(new.prompt_token_ids or ()) or len(tokens)
             self.requests[new.req_id] = _ReqState(
                 tokens=list(tokens),
                 block_ids=list(new.block_ids[0]),
                 num_computed=new.num_computed_tokens,
+                prefill_len=len(tokens),
+                prompt_len=prompt_len,
                 needs_check=new.num_computed_tokens > 0,
             )
         cached = so.scheduled_cached_reqs
+        resumed_ids = compat.resumed_req_ids(cached)
+        all_token_ids = compat.cached_all_token_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
             new_blocks = cached.new_block_ids[i]
-            resumed = req_id in cached.resumed_req_ids
+            resumed = req_id in resumed_ids
             if state is None or resumed:
                 self.stats.resumed_requests += 1
-                tokens = cached.all_token_ids.get(req_id)
+                tokens = all_token_ids.get(req_id)
                 if tokens is None and state is not None:
                     tokens = state.tokens
                 assert tokens is not None, f"no tokens known for {req_id}"
-                state = _ReqState(tokens=list(tokens), block_ids=[], num_computed=0)
+                prompt_len = state.prompt_len if state is not None else len(tokens)
+                state = _ReqState(
+                    tokens=list(tokens),
+                    block_ids=[],
+                    num_computed=0,
+                    prefill_len=len(tokens),
+                    prompt_len=prompt_len,
+                )
                 self.requests[req_id] = state
                 state.block_ids = list(new_blocks[0]) if new_blocks else []
                 state.needs_check = cached.num_computed_tokens[i] > 0
             else:
-                if req_id in cached.all_token_ids:
-                    state.tokens = list(cached.all_token_ids[req_id])
+                if req_id in all_token_ids:
+                    state.tokens = list(all_token_ids[req_id])
                 if new_blocks:
                     state.block_ids.extend(new_blocks[0])
+            if not v2:
+                self._align_v1_outputs(state, cached.num_output_tokens[i])
             state.num_computed = cached.num_computed_tokens[i]
+
+    @staticmethod
+    def _align_v1_outputs(state: _ReqState, num_output_tokens: int) -> None:
+        """V1 (v1/worker/gpu_model_runner.py ``_update_states``): output
+        tokens the scheduler discarded (its ``num_output_tokens`` is smaller
+        than the runner's) are deleted from the cached state."""
+        keep = state.prompt_len + num_output_tokens
+        if keep < len(state.tokens):
+            del state.tokens[keep:]
 
     def _zero_new_blocks(self, so: SchedulerOutput) -> None:
         # Both runners zero freshly allocated blocks before the step's loads.
@@ -425,26 +465,42 @@ class RankRunner:
                 f"position {int(bad[0])}, block {int(blocks[bad[0]])})"
             )
 
-    def _sample(self, so: SchedulerOutput, output_cls: type) -> ModelRunnerOutput:
+    def _sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         vocab = self.model.vocab_size
         for req_id in req_ids:
             state = self.requests[req_id]
             state.num_computed += so.num_scheduled_tokens[req_id]
-            if state.num_computed >= len(state.tokens):
-                # Prefill done (or a decode step): one new token.
-                tok = sampled_token(self.seed, req_id, len(state.tokens), vocab)
+            # seq_len: the positions the scheduler had computed, this step's
+            # included. Whether to sample is decided from it, as vLLM does,
+            # never from how many tokens this rank happens to hold.
+            seq_len = state.num_computed
+            if self._samples(state, seq_len):
+                # The token sampled at seq_len. Tokens this rank held past it
+                # were discarded by the scheduler (under the "recompute" load
+                # failure policy, scheduler.py _handle_invalid_blocks rewinds
+                # a request whose sync load failed and update_from_output
+                # drops the token it sampled). V2 feeds its next step the last
+                # sampled token at position num_computed_tokens (input_batch.py
+                # combine_sampled_and_draft_tokens): they never count there.
+                del state.tokens[seq_len:]
+                tok = sampled_token(self.seed, req_id, seq_len, vocab)
                 state.tokens.append(tok)
                 sampled.append([tok])
             else:
                 # A partial prefill chunk samples nothing.
                 sampled.append([])
-        return output_cls(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        return compat.model_runner_output(req_ids, sampled)
+
+    def _samples(self, state: _ReqState, seq_len: int) -> bool:
+        if self.mode == "v2":
+            # V2 (v1/worker/gpu/input_batch.py get_num_sampled_and_rejected):
+            # a chunk ending before prefill_len is a chunked prefill.
+            return seq_len >= state.prefill_len
+        # V1 (v1/worker/gpu_model_runner.py discard_request_mask): discard
+        # while the scheduled positions end before the request's tokens.
+        return seq_len >= len(state.tokens)
 
     # -- teardown -----------------------------------------------------------
 

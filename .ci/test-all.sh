@@ -35,6 +35,10 @@ eval "$servers"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# tests/test_trace_shapes.py writes each release's trace shapes here; they are
+# compared across releases after the runs.
+export KVOBS_SHAPES_DIR="$tmp/shapes"
+mkdir -p "$KVOBS_SHAPES_DIR"
 counts() {  # counts JUNIT_XML: "N passed, N failed, N skipped, N errors"
   python3 - "$1" <<'PY'
 import sys
@@ -74,6 +78,13 @@ for run in "${runs[@]}"; do
   summary+=("$(printf 'vLLM %-7s %-12s %-44s %8ss  %s' \
     "$v" "$label" "$(counts "$tmp/$v.xml")" "$secs" "$verdict")")
 done
+echo "== trace shapes across releases (.ci/compare-shapes.py)"
+python3 "$here/compare-shapes.py" "$KVOBS_SHAPES_DIR" >"$tmp/shapes.txt"
+rc=$?
+cat "$tmp/shapes.txt"
+# rc 2: fewer than two releases ran the shape cases (ARGS or VLLM chose so).
+[ $rc = 1 ] && status=1
 echo "== kvobs-otel test summary"
 printf '%s\n' "${summary[@]}"
+tail -n 1 "$tmp/shapes.txt"
 exit $status

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build (once) the two Go programs the end-to-end tests run on loopback:
-#   - Jaeger v2 (module github.com/jaegertracing/jaeger v1.76.0, program cmd/jaeger)
+#   - Jaeger v2 (module github.com/jaegertracing/jaeger v1.75.0, program cmd/jaeger)
 #   - otelcol-kvobs, a small OpenTelemetry Collector distribution (./otelcol)
 #
 # Output: stdout gets exactly two lines,
-#   JAEGER=/abs/path/jaeger-v1.76.0
+#   JAEGER=/abs/path/jaeger-v1.75.0
 #   OTELCOL=/abs/path/otelcol-kvobs-v0.161.0-<key>
 # where <key> is the first 12 hex digits of sha256(otelcol/components.go + otelcol/go.mod).
 # Progress goes to stderr. On failure: non-zero exit and the tail of the build log.
@@ -23,7 +23,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE="${KVOBS_CACHE_DIR:-$HOME/.cache/kvobs-otel}"
 GO="${GO:-go}"
 
-JAEGER_VERSION="v1.76.0"          # keep in sync with jaeger/go.mod
+JAEGER_VERSION="v1.75.0"          # the approved release (not v1.76+); keep in sync with jaeger/go.mod
 OTELCOL_RELEASE="v0.161.0"        # core v0.161.0 + v1.67.0, contrib v0.161.0 (otelcol/go.mod)
 
 BIN_DIR="$CACHE/bin"

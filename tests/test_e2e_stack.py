@@ -240,6 +240,51 @@ def test_withheld_rank_fires_the_incomplete_receipt_alert(stack, monkeypatch):
     assert any("missing ranks [1]" in p for p in bad["problems"]), bad
 
 
+def test_failed_restore_fires_its_alert_and_is_an_error_trace_in_jaeger(stack, monkeypatch):
+    """vLLM 0.34: a restore that fails on rank 1 under kv_load_failure_policy
+    "fail" (the copy backend injects the failure a GPU copy would report)."""
+    from kvobs_otel.hosts.vllm.metadata import VLLM_FIELDS
+
+    if "failed_jobs" not in VLLM_FIELDS:
+        pytest.skip("this vLLM asserts every transfer succeeded (failures are reported "
+                    "from 0.34)")
+    from test_vllm_episodes import start_recovery
+
+    def run(h: Harness) -> None:
+        start_recovery(h, "failed-restore")
+        h.run_until_idle(400)
+        assert h.finished["failed-restore"] == "error"
+
+    run_harness(monkeypatch, export_env(stack, "grpc"), "fork", {"run": run, "config": {
+        "fail": {"rank": 1, "kind": "load"}, "kv_load_failure_policy": "fail"}})
+    alerts = poll(lambda: stack.firing("KvobsRestoreFailed"), timeout=90, interval=2)
+    assert alerts and {a["labels"]["outcome"] for a in alerts} == {"restore_failed"}
+    assert {a["labels"]["severity"] for a in alerts} == {"page"}
+    failing = poll(lambda: stack.firing("KvobsTransfersFailing"), timeout=60, interval=2)
+    assert failing and {a["labels"]["kind"] for a in failing} == {"load"}
+
+    def root():
+        for trace in stack.traces(tags=json.dumps({"kvobs.request.id": "failed-restore"})):
+            for s in trace["spans"]:
+                if s["operationName"] == "kv.recovery":
+                    return s
+        return None
+
+    span = poll(root, timeout=60)
+    assert span is not None, "the failed episode never reached Jaeger"
+    assert tag(span, "kvobs.outcome") == "restore_failed"
+    assert tag(span, "error") in (True, "true")
+    assert json.loads(tag(span, "kvobs.restore.failed_ranks")) == [1]
+    # `kvobs-otel check` reads it back as a consistent failed-restore chain.
+    from kvobs_otel.check import check_spans
+    from kvobs_otel.sources import load_spans
+
+    eps, summary = check_spans(load_spans(stack.jaeger_url))
+    (ep,) = [e for e in eps if e.request_id == "failed-restore"]
+    assert ep.outcome == "restore_failed" and ep.complete, ep.problems
+    assert summary["restore_failed"] >= 1
+
+
 def dashboard_exprs() -> list[tuple[str, str]]:
     out = []
     for path in sorted((ROOT / "dashboards").glob("*.json")):

@@ -37,6 +37,13 @@ ALLOWED_KEYS = {
     "kvobs.compute.kind", "kvobs.first_compute.ranks", "kvobs.first_compute.missing_ranks",
     "kvobs.incomplete.job_ids", "kvobs.jobs", "kvobs.requeue.reason", "kvobs.link",
     "kvobs.join.scope", "error.type",
+    # Receipts and failures (vLLM 0.34): ranks, job ids, chunk counts, seconds.
+    "kvobs.receipt.failed_ranks", "kvobs.receipt.last_ranks", "kvobs.receipt.spread_s",
+    "kvobs.host_tier.chunks", "kvobs.host_tier.dropped_chunks",
+    "kvobs.restore.failed_job_ids", "kvobs.restore.failed_ranks",
+    # Recovery accounting: token COUNTS (never token ids).
+    "kvobs.tokens.discarded", "kvobs.tokens.restored", "kvobs.tokens.resident",
+    "kvobs.tokens.recomputed",
     # resource
     "service.name", "service.version", "service.instance.id", "host.name", "process.pid",
     "kvobs.role", "kvobs.engine.id", "kvobs.tp.rank", "kvobs.pp.rank", "kvobs.dp.rank",
@@ -44,7 +51,7 @@ ALLOWED_KEYS = {
     "telemetry.sdk.language", "telemetry.sdk.name", "telemetry.sdk.version",
     # metric point dimensions
     "direction", "outcome", "rank", "kind", "clock", "compute_kind", "reason", "stage",
-    "signal",
+    "signal", "source",
 }
 
 
@@ -128,7 +135,8 @@ def test_no_address_token_id_or_block_hash_leaves_the_process(observe):
             assert value not in tokens, (key, value)
             assert value < 1 << 48 or key in ("process.pid",), (key, value)  # no address-sized ints
         elif isinstance(value, float):
-            assert key == "kvobs.device.duration_s", (key, value)  # no tensor values
+            # durations only: no tensor values
+            assert key in ("kvobs.device.duration_s", "kvobs.receipt.spread_s"), (key, value)
         elif isinstance(value, bytes):
             pytest.fail(f"bytes exported under {key}")
         else:

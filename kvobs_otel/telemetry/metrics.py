@@ -36,7 +36,7 @@ class MetricsBuilder:
                  anomalies: Callable[[], dict[str, int]] | None = None,
                  refused: Callable[[], dict[str, int]] | None = None,
                  exported: Callable[[], dict[str, int]] | None = None,
-                 scheduler: bool = False) -> None:
+                 scheduler: bool = False, worker_rank: int | None = None) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
         self._meter = m
         # Counted here and read by the SDK at collection time; histograms
@@ -84,6 +84,10 @@ class MetricsBuilder:
                             rec.FIRST_COMPUTE_INCOMPLETE, rec.ABANDONED, rec.RESTORE_FAILED,
                             rec.RECOMPUTED):
                 self.episodes[(outcome,)] += 0
+        if worker_rank is not None:
+            # Failed transfers (vLLM 0.34+) from 0, for rate() and increase().
+            for direction in ("d2h", "h2d"):
+                self.transfers[(direction, rec.TRANSFER_FAILED, worker_rank)] += 0
         if open_receipts is not None:
             m.create_observable_gauge(
                 "kvobs.receipts.open", unit="{job}", description="Jobs with an open receipt",

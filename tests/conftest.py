@@ -117,3 +117,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    """Every request's output of the harness's pressure workload with nothing
+    failing (V2 runner, sync scheduling, inline ranks)."""
+    from test_harness_smoke import _run_pressure
+
+    with _run_pressure() as h:
+        assert set(h.finished.values()) == {"length"}
+        return {k: list(v) for k, v in h.outputs.items()}

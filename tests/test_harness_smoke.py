@@ -52,40 +52,40 @@ def _run_pressure(**overrides) -> Harness:
     return h
 
 
-def _restored_bytes_match_stored(h: Harness, rank: int) -> int:
-    """Every restore load copied back exactly the bytes last stored into the
-    same host slots. Returns the number of (slot, layer) rows compared."""
+def _failed_job_ids(h: Harness) -> set[int]:
+    return {job_id for rank in range(NUM_RANKS) for job_id in h.rank_call(rank, "failed_job_ids")}
+
+
+def _restores_read_what_was_stored(h: Harness, rank: int) -> int:
+    """Every restore copied back exactly the bytes last stored into its host
+    slots, and never bytes of a store that failed (on any rank: vLLM drops
+    such chunks). Returns the rows compared."""
     log = h.rank_call(rank, "transfer_log")
+    failed = _failed_job_ids(h)
     restore_ids = {j.job_id for j in h.restore_jobs}
     compared = 0
     for i, rec in enumerate(log):
-        if rec.kind != "load" or rec.job_id not in restore_ids:
+        if rec.kind != "load" or rec.job_id not in restore_ids or rec.failed:
             continue
-        assert rec.transfer_size > 0 and rec.transfer_time >= 0
         for seg in rec.segments:
             for row, slot in enumerate(seg.host_slots):
-                stored = None
-                for prev in reversed(log[:i]):
-                    if prev.kind != "store":
-                        continue
-                    for pseg in prev.segments:
-                        if pseg.tensor_idx == seg.tensor_idx and slot in pseg.host_slots:
-                            stored = pseg.data[pseg.host_slots.index(slot)]
-                            break
-                    if stored is not None:
-                        break
-                assert stored is not None, f"slot {slot} loaded but never stored"
+                last_store = next(
+                    (
+                        (prev.job_id, prev_seg.data[prev_seg.host_slots.index(slot)])
+                        for prev in reversed(log[:i])
+                        if prev.kind == "store"
+                        for prev_seg in prev.segments
+                        if prev_seg.tensor_idx == seg.tensor_idx and slot in prev_seg.host_slots
+                    ),
+                    None,
+                )
+                assert last_store is not None, f"rank {rank}: slot {slot} loaded, never stored"
+                job_id, stored = last_store
+                assert job_id not in failed, f"rank {rank}: restore read failed store {job_id}"
                 assert torch.equal(seg.data[row], stored)
                 compared += 1
     return compared
 
-
-@pytest.fixture(scope="module")
-def reference() -> dict[str, list[int]]:
-    """Outputs of the default configuration (V2 runner, sync scheduling)."""
-    with _run_pressure() as h:
-        assert set(h.finished.values()) == {"length"}
-        return {k: list(v) for k, v in h.outputs.items()}
 
 
 def test_stores_copy_bytes_and_complete():
@@ -134,7 +134,7 @@ def test_pressure_preempts_and_restores_byte_identical(reference):
         restores = h.restore_jobs
         assert restores, "no preempted request was restored from CPU"
         for rank in range(NUM_RANKS):
-            assert _restored_bytes_match_stored(h, rank) > 0
+            assert _restores_read_what_was_stored(h, rank) > 0
             # The restored blocks hold exactly what the model had written.
             assert h.runner(rank).stats.kv_checked_requests >= len(restores)
         restored = {j.req_id for j in restores}
@@ -167,7 +167,7 @@ def test_process_mode(reference, start_method):
     with h:
         assert h.outputs == reference
         assert h.restore_jobs
-        assert _restored_bytes_match_stored(h, 1) > 0
+        assert _restores_read_what_was_stored(h, 1) > 0
         assert h.rank_call(1, "stats")["kv_checked_requests"] >= 1
         assert h.rank_call(0, "connector_class").endswith("OffloadingConnector")
     for rank in h.ranks:

@@ -13,90 +13,30 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvobs_otel.harness import Harness, HarnessConfig, compat, pressure_workload
+from kvobs_otel.harness import Harness, HarnessConfig, compat
 from kvobs_otel.harness.engine import JobEvent
+
+from test_harness_smoke import (
+    RUNNERS,
+    _failed_job_ids,
+    _restores_read_what_was_stored,
+    _run_pressure,
+)
 
 pytestmark = pytest.mark.vllm
 
 NUM_RANKS = 2
 VERSION = compat.vllm_version()
 
-RUNNERS = [
-    pytest.param(
-        runner,
-        marks=pytest.mark.skipif(
-            runner not in compat.available_model_runners(),
-            reason=f"vLLM {VERSION} has only the V2 model runner",
-        ),
-    )
-    for runner in ("v1", "v2")
-]
-
 needs_failures = pytest.mark.skipif(
     not compat.transfer_failures_reported(),
     reason=f"vLLM {VERSION} asserts every transfer succeeded "
     "(failed transfers are reported from 0.34)",
 )
-
-
-def _run_pressure(**overrides: Any) -> Harness:
-    """A harness that has run the pressure workload to completion."""
-    h = Harness(HarnessConfig(num_ranks=NUM_RANKS, record_transfers=True, **overrides))
-    try:
-        pressure_workload(h)
-        h.run_until_idle(max_steps=1000)
-    except BaseException:
-        h.close()
-        raise
-    return h
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[str, list[int]]:
-    """Every request's output with nothing failing (V2 runner, inline)."""
-    with _run_pressure() as h:
-        assert set(h.finished.values()) == {"length"}
-        return {req_id: list(tokens) for req_id, tokens in h.outputs.items()}
-
-
-def _failed_job_ids(h: Harness) -> set[int]:
-    return {job_id for rank in range(NUM_RANKS) for job_id in h.rank_call(rank, "failed_job_ids")}
-
-
-def _restores_read_what_was_stored(h: Harness, rank: int) -> int:
-    """Every restore copied back exactly the bytes last stored into its host
-    slots, and never bytes of a store that failed (on any rank: vLLM drops
-    such chunks). Returns the rows compared."""
-    log = h.rank_call(rank, "transfer_log")
-    failed = _failed_job_ids(h)
-    restore_ids = {j.job_id for j in h.restore_jobs}
-    compared = 0
-    for i, rec in enumerate(log):
-        if rec.kind != "load" or rec.job_id not in restore_ids or rec.failed:
-            continue
-        for seg in rec.segments:
-            for row, slot in enumerate(seg.host_slots):
-                last_store = next(
-                    (
-                        (prev.job_id, prev_seg.data[prev_seg.host_slots.index(slot)])
-                        for prev in reversed(log[:i])
-                        if prev.kind == "store"
-                        for prev_seg in prev.segments
-                        if prev_seg.tensor_idx == seg.tensor_idx and slot in prev_seg.host_slots
-                    ),
-                    None,
-                )
-                assert last_store is not None, f"rank {rank}: slot {slot} loaded, never stored"
-                job_id, stored = last_store
-                assert job_id not in failed, f"rank {rank}: restore read failed store {job_id}"
-                assert torch.equal(seg.data[row], stored)
-                compared += 1
-    return compared
 
 
 def _kv_checked_every_restore(h: Harness) -> None:

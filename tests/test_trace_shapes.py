@@ -118,7 +118,9 @@ def _check_span_model(case: str, spans: list[SpanView]) -> None:
         (job,) = [s for s in spans if s.name == "kv.job" and s.attrs["kvobs.job.kind"] == "load"]
         assert job.error and list(job.attrs["kvobs.receipt.missing_ranks"]) == [1]
     elif case == "repeated-preemption":
+        # A second preemption opens epoch 2, in a trace of its own.
         assert sorted(r.attrs["kvobs.recovery.epoch"] for r in roots) == [1, 2]
+        assert len({r.trace_id for r in roots}) == 2
         assert outcomes == ["recovered", "recovered"]  # each epoch came back
     else:
         ranks = 4 if case == "four-ranks" else 2

@@ -94,24 +94,6 @@ def test_ordinary_stores_form_per_request_traces(observe):
     assert observe.metric_total("kvobs.transfer.bytes", direction="d2h") > 0
 
 
-def test_second_preemption_opens_epoch_two(observe):
-    with Harness(HarnessConfig(num_ranks=2)) as h:
-        h.add_request("twice", 64, max_tokens=40)
-        for _ in range(3):
-            h.step()
-        h.preempt("twice")
-        for _ in range(4):
-            h.step()
-        h.preempt("twice")
-        h.run_until_idle(400)
-    current_pipeline().flush()
-    roots = {r.attrs["kvobs.recovery.epoch"]: r for r, _ in episodes(observe.spans())
-             if r.attrs["kvobs.request.id"] == "twice"}
-    assert set(roots) == {1, 2}
-    assert roots[1].trace_id != roots[2].trace_id
-    assert roots[2].attrs["kvobs.outcome"] == "recovered"
-
-
 def test_restore_through_cpu_when_gpu_prefix_cache_is_evicted(observe):
     with Harness(HarnessConfig(num_ranks=2)) as h:
         start_recovery(h, "r")

@@ -41,16 +41,9 @@ def check_vllm() -> Finding:
         return Finding("vllm", FAIL, f"vLLM is not installed in this Python environment "
                        f"(supported: {window})")
     dist, version = found
-    sel = releases.select(version)
+    sel = releases.decide(version)
     if sel.release is None:
-        return Finding("vllm", FAIL, f"{sel.detail}; observation stays off")
-    try:
-        problems = releases.check_shape(sel.release)
-    except Exception as e:  # vLLM installed but not importable here
-        return Finding("vllm", FAIL, f"{dist} {version}: cannot inspect it ({e})")
-    if problems:
-        return Finding("vllm", FAIL, f"{dist} {version}: differs from the {sel.release.name} "
-                       f"seams ({'; '.join(problems)}); observation stays off")
+        return Finding("vllm", FAIL, f"{dist}: {sel.detail}; observation stays off")
     if sel.untested:
         return Finding("vllm", WARN, f"{dist} {version}: untested, newer than "
                        f"{sel.release.tested}; its shape matches the {sel.release.name} seams "

@@ -139,6 +139,12 @@ class EpisodeRecord:
     tokens_resident: int | None = None  # still in the device prefix cache
     tokens_recomputed: int | None = None  # computed again
 
+    def tokens(self) -> tuple[tuple[str, int | None], ...]:
+        """(source, tokens) of the accounting: the span's attributes and the
+        kvobs.recovery.tokens{source} counter say the same."""
+        return (("discarded", self.tokens_discarded), ("restored", self.tokens_restored),
+                ("resident", self.tokens_resident), ("recomputed", self.tokens_recomputed))
+
 
 @dataclass(slots=True)
 class RequestRecord:

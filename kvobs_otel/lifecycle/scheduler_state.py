@@ -27,7 +27,6 @@ class _Job:
     blocks: int
     start_ns: int
     host_chunks: int = 0
-    reported: dict[int, str] = field(default_factory=dict)  # rank -> worker generation
     received: dict[int, int] = field(default_factory=dict)  # rank -> receipt time
     failed: set[int] = field(default_factory=set)  # ranks whose transfer failed
     duplicates: int = 0
@@ -174,7 +173,7 @@ class SchedulerLifecycle:
 
     # -- receipts ------------------------------------------------------------------
     def _receipts(self, t: int, reporters, computed) -> None:
-        for rank, wgen, job_ids, failed in reporters:
+        for rank, _wgen, job_ids, failed in reporters:
             for job_id in job_ids:
                 job = self.jobs.get(job_id)
                 if job is None:
@@ -183,15 +182,14 @@ class SchedulerLifecycle:
                     else:
                         self.unknown_receipts += 1
                     continue
-                if rank in job.reported:
+                if rank in job.received:
                     job.duplicates += 1
                     self.duplicate_receipts += 1
                     continue
-                job.reported[rank] = wgen
                 job.received[rank] = t
                 if failed and job_id in failed:
                     job.failed.add(rank)
-                if len(job.reported) >= self.world:
+                if len(job.received) >= self.world:
                     self._end_job(job_id, t, rec.JOB_FAILED if job.failed else rec.COMPLETE)
         for rank, _wgen, req_id, epoch in computed:
             ep = self.episodes.get(req_id)
@@ -210,9 +208,9 @@ class SchedulerLifecycle:
         self._closed[job_id] = None
         if len(self._closed) > self._CLOSED_MEMORY:
             self._closed.popitem(last=False)
-        reported = sorted(job.reported)
-        missing = sorted(set(range(self.world)) - job.reported.keys())
         received = job.received
+        reported = sorted(received)
+        missing = sorted(set(range(self.world)) - received.keys())
         last_t = max(received.values(), default=0)
         self.sink.emit(rec.JobRecord(
             sched_gen=self.gen, job_id=job_id, req_id=job.req_id,

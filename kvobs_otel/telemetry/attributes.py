@@ -36,11 +36,11 @@ HOST_CHUNKS = "kvobs.host_tier.chunks"
 HOST_DROPPED = "kvobs.host_tier.dropped_chunks"
 RESTORE_FAILED_JOBS = "kvobs.restore.failed_job_ids"
 RESTORE_FAILED_RANKS = "kvobs.restore.failed_ranks"
-# Where a recovered request's KV came from, in tokens.
-TOKENS_DISCARDED = "kvobs.tokens.discarded"
-TOKENS_RESTORED = "kvobs.tokens.restored"
-TOKENS_RESIDENT = "kvobs.tokens.resident"
-TOKENS_RECOMPUTED = "kvobs.tokens.recomputed"
+# Where a recovered request's KV came from, in tokens, by source
+# (EpisodeRecord.tokens()): kvobs.tokens.discarded, .restored, .resident,
+# .recomputed.
+TOKENS = {source: f"kvobs.tokens.{source}"
+          for source in ("discarded", "restored", "resident", "recomputed")}
 PRESERVE_JOBS = "kvobs.preserve.job_ids"
 RESTORE_JOBS = "kvobs.restore.job_ids"
 ROSTER = "kvobs.admission.roster"

@@ -157,9 +157,7 @@ class MetricsBuilder:
                 self.recovery.record((), (r.end_ns - r.start_ns) * _NS, tid, sid)
             if r.admitted_ns is not None and r.ready_ns is not None:
                 self.admission_wait.record((), max(0, r.admitted_ns - r.ready_ns) * _NS, tid, sid)
-            for source, n in (("discarded", r.tokens_discarded), ("restored", r.tokens_restored),
-                              ("resident", r.tokens_resident),
-                              ("recomputed", r.tokens_recomputed)):
+            for source, n in r.tokens():
                 if n:
                     self.tokens[(source,)] += n
         elif isinstance(r, rec.FirstComputeRecord):

@@ -260,12 +260,9 @@ class SpanBuilder:
         if r.failed_restore_jobs:
             self._ids_list(attrs, A.RESTORE_FAILED_JOBS, r.failed_restore_jobs)
             self._ids_list(attrs, A.RESTORE_FAILED_RANKS, r.failed_ranks)
-        for key, value in ((A.TOKENS_DISCARDED, r.tokens_discarded),
-                           (A.TOKENS_RESTORED, r.tokens_restored),
-                           (A.TOKENS_RESIDENT, r.tokens_resident),
-                           (A.TOKENS_RECOMPUTED, r.tokens_recomputed)):
-            if value is not None:
-                attrs[key] = value
+        for source, n in r.tokens():
+            if n is not None:
+                attrs[A.TOKENS[source]] = n
         failed = r.outcome in _EPISODE_ERRORS
         links = list(self._link(r.traceparent) or [])
         rtid, rsid = identity.request_ids(r.sched_gen, r.req_id)

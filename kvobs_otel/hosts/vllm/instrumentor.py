@@ -224,19 +224,13 @@ def choose_release(settings: Settings) -> releases.Release | None:
     global _refusal
     import vllm
 
-    sel = releases.select(str(vllm.__version__))
+    sel = releases.decide(str(vllm.__version__))
     if sel.release is not None:
-        sel.mismatches = releases.check_shape(sel.release)
-        if not sel.mismatches:
-            if sel.untested:
-                logger.warning("kvobs-otel: vLLM %s is newer than the newest tested %s; "
-                               "its shape matches the %s seams, observing (untested)",
-                               sel.version, sel.release.tested, sel.release.name)
-            return sel.release
-        sel.reason = releases.REFUSED_SHAPE
-        sel.detail = (f"vLLM {sel.version} differs from the {sel.release.name} seams in "
-                      f"{len(sel.mismatches)} place(s): " + "; ".join(sel.mismatches))
-        sel.release = None
+        if sel.untested:
+            logger.warning("kvobs-otel: vLLM %s is newer than the newest tested %s; "
+                           "its shape matches the %s seams, observing (untested)",
+                           sel.version, sel.release.tested, sel.release.name)
+        return sel.release
     _refusal = sel
     logger.error("kvobs-otel: observation stays off, vLLM untouched: %s", sel.detail)
     _export_refusal(settings, sel)

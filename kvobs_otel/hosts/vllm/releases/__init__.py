@@ -19,8 +19,9 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Where the seams attach (module paths of the installed vLLM).
@@ -90,17 +91,10 @@ def window() -> str:
 
 
 def parse_version(version: str) -> tuple[int, int, int]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 3:
-        parts.append(0)
-    return parts[0], parts[1], parts[2]
+    """(major, minor, patch) of a version string: "0.34.1rc2" -> (0, 34, 1)."""
+    parts = [int(m.group()) if (m := re.match(r"\d+", piece)) else 0
+             for piece in version.split(".")[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
 
 
 @dataclass
@@ -112,7 +106,6 @@ class Selection:
     untested: bool = False
     reason: str | None = None  # a REFUSED_* reason when release is None
     detail: str = ""
-    mismatches: list[str] = field(default_factory=list)
 
 
 def select(version: str, env: Mapping[str, str] | None = None) -> Selection:
@@ -135,6 +128,20 @@ def select(version: str, env: Mapping[str, str] | None = None) -> Selection:
                             f"{newest.tested} (supported: vllm{window()}); set "
                             f"{ENV_ALLOW_UNTESTED}=1 to try the {newest.name} seams "
                             "(they still refuse if vLLM's shape changed)")
+
+
+def decide(version: str, env: Mapping[str, str] | None = None) -> Selection:
+    """``select``, then the shape check: the release whose seams fit the
+    installed vLLM, or why observation must stay off. The one decision
+    ``instrument()`` acts on and ``kvobs-otel doctor`` reports."""
+    sel = select(version, env)
+    if sel.release is not None:
+        problems = check_shape(sel.release)
+        if problems:
+            return Selection(version, None, reason=REFUSED_SHAPE,
+                             detail=f"vLLM {version} differs from the {sel.release.name} seams "
+                                    f"in {len(problems)} place(s): " + "; ".join(problems))
+    return sel
 
 
 def resolve(path: str) -> Any:

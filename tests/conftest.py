@@ -128,3 +128,13 @@ def reference() -> dict[str, list[int]]:
     with _run_pressure() as h:
         assert set(h.finished.values()) == {"length"}
         return {k: list(v) for k, v in h.outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """The real Collector, Jaeger and Prometheus (tests/stack.py), one per module."""
+    from stack import Stack
+
+    s = Stack(tmp_path_factory.mktemp("stack"))
+    yield s
+    s.close()

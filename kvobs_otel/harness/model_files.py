@@ -57,7 +57,6 @@ def _write_model(directory: str, model: TinyLlama) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -10,6 +10,7 @@ sequences) so that a few concurrent completions preempt.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -133,7 +134,7 @@ class EngineServer:
                  env: dict[str, str] | None = None) -> None:
         self.cfg, self.port, self.log_path = cfg, port, log_path
         self.base_url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed by stop)
         self.proc = subprocess.Popen(cfg.argv(model, port), env=cfg.env(env),
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -174,10 +175,8 @@ class EngineServer:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
         if self.proc.poll() is None:
             self.proc.wait(10)
         self._log.close()

@@ -35,6 +35,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("B2", "benchmarks.b2_step_overhead"),
     ("B3", "benchmarks.b3_export_throughput"),
     ("B4", "benchmarks.b4_burst_memory"),
+    ("B5", "benchmarks.b5_real_engine"),
 ]
 
 
@@ -108,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="kvobs-otel's cost on vLLM's serving path: B1 seam cost per event, "
-                    "B2 step overhead, B3 export throughput, B4 memory under a burst "
-                    "(docs/benchmarks.md). Run from the repository root.",
+                    "B2 step overhead, B3 export throughput, B4 memory under a burst, "
+                    "B5 a real vLLM engine under a real client (docs/benchmarks.md). "
+                    "Run from the repository root.",
         epilog="Exit status: 0 every goal met, 1 some goal not met, 2 a benchmark could "
                "not run. With --quick goals are not enforced.")
     ap.add_argument("--only", metavar="B1,B2,...", help="run only these benchmarks")

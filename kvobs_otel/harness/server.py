@@ -77,9 +77,9 @@ class ServeConfig:
             cfg["kv_connector"], cfg["kv_connector_module_path"] = EXPLICIT_CONNECTOR
         return cfg
 
-    def argv(self, model: str, port: int) -> list[str]:
+    def argv(self, model: str, port: int, python: str = sys.executable) -> list[str]:
         return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "bfloat16", "--seed", "0",
@@ -114,6 +114,15 @@ class ServeConfig:
         return env
 
 
+def free_port() -> int:
+    """A free TCP port on loopback (for the server to bind)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -125,17 +134,20 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 class EngineServer:
     """One ``python -m vllm.entrypoints.openai.api_server`` process group.
 
-    Its output goes to ``log_path`` (vLLM and torch are verbose); ``stop``
+    Its output goes to ``log_path`` (vLLM and torch are verbose; ``-`` keeps it
+    on the terminal); ``stop``
     sends a signal to the server and then ends the whole group, so no
-    EngineCore or worker outlives it.
+    EngineCore or worker outlives it. ``python``: the interpreter of an
+    environment with vLLM's CPU build (default: this one).
     """
 
     def __init__(self, cfg: ServeConfig, model: str, port: int, log_path: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, python: str = sys.executable) -> None:
         self.cfg, self.port, self.log_path = cfg, port, log_path
         self.base_url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed by stop)
-        self.proc = subprocess.Popen(cfg.argv(model, port), env=cfg.env(env),
+        # "-": vLLM's output stays on this process's terminal
+        self._log = None if log_path == "-" else open(log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cfg.argv(model, port, python), env=cfg.env(env),
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -179,7 +191,8 @@ class EngineServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(10)
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
         return self.proc.returncode
 
     def __enter__(self) -> EngineServer:

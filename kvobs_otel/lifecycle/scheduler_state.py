@@ -2,12 +2,21 @@
 
 Fed with S_* events on the drain thread; hands finished records to a sink.
 A receipt is complete when every expected rank reported exactly once; a job
-still missing ranks ``deadline`` after creation ends as RECEIPT_INCOMPLETE.
+still missing ranks ``deadline`` after creation ends as RECEIPT_INCOMPLETE,
+once the engine has also taken ``STEPS_PAST_DEADLINE`` steps since then.
+Ranks report finished transfers only inside engine steps: while vLLM is idle
+(nothing to schedule) a finished store is reported at the next step, and a
+step may be long (a first forward pass takes seconds); neither is a missing
+receipt. With async scheduling a step's reports reach the scheduler up to two
+schedule() calls later, hence three. ``progress`` (the host's count of
+schedule() calls) says how far the engine got; without it every job is
+judged by time alone.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,6 +42,7 @@ class _Job:
     flushed: bool = False
     epoch: int = 0
     role: str | None = None
+    overdue_at: int | None = None  # engine steps when first past the deadline
 
 
 @dataclass(slots=True)
@@ -57,6 +67,7 @@ class _Episode:
     discarded: int | None = None
     held: int | None = None
     restored: int = 0
+    overdue_at: int | None = None  # engine steps when first past the deadline
 
 
 @dataclass(slots=True)
@@ -74,14 +85,19 @@ _ENDED_BEFORE_RESUME = {ev.FINISHED_OK: rec.FINISHED_BEFORE_RESUME,
                         ev.FINISHED_ERROR: rec.FINISHED_BEFORE_RESUME}
 
 
+STEPS_PAST_DEADLINE = 3
+
+
 class SchedulerLifecycle:
     role = "scheduler"
     # Remember this many closed jobs so a late receipt is told from an unknown one.
     _CLOSED_MEMORY = 8192
 
     def __init__(self, sched_gen: str, world_size: int, deadline_s: float,
-                 sink: RecordSink) -> None:
+                 sink: RecordSink, progress: Callable[[], int] | None = None) -> None:
         self.gen = sched_gen
+        self.progress = progress
+        self._steps = 0  # progress() as read at the previous tick
         self.world = world_size
         self.deadline_ns = int(deadline_s * 1e9)
         self.sink = sink
@@ -297,12 +313,27 @@ class SchedulerLifecycle:
 
     # -- time ---------------------------------------------------------------------------
     def tick(self, now: int) -> None:
-        """End jobs and admitted episodes that outlived the receipt deadline."""
+        """End jobs and admitted episodes that outlived the receipt deadline
+        (and, with ``progress``, the engine's next ``STEPS_PAST_DEADLINE`` steps)."""
         limit = now - self.deadline_ns
-        for job_id in [j for j, job in self.jobs.items() if job.start_ns < limit]:
+        if self.progress is None:
+            def overdue(item: _Job | _Episode) -> bool:
+                return True
+        else:
+            # The count read at the previous tick, before this drain: every
+            # report of the steps it counts has been offered and drained.
+            seen, steps = self._steps, self.progress()
+            self._steps = steps
+
+            def overdue(item: _Job | _Episode) -> bool:
+                if item.overdue_at is None:
+                    item.overdue_at = steps
+                return seen >= item.overdue_at + STEPS_PAST_DEADLINE
+        for job_id in [j for j, job in self.jobs.items()
+                       if job.start_ns < limit and overdue(job)]:
             self._end_job(job_id, now, rec.RECEIPT_INCOMPLETE)
         for req_id in [r for r, ep in self.episodes.items()
-                       if ep.admitted_ns is not None and ep.admitted_ns < limit]:
+                       if ep.admitted_ns is not None and ep.admitted_ns < limit and overdue(ep)]:
             self._end_episode(req_id, self.episodes.pop(req_id), now,
                               rec.FIRST_COMPUTE_INCOMPLETE)
 

@@ -61,9 +61,13 @@ class SchedulerSeams:
         self.load_row = release.load_row
         world = int(cfg.parallel_config.world_size)
         self.pipeline = pipeline
+        # Engine steps (schedule() calls): the receipt deadline only runs out
+        # while the engine steps (scheduler_state.py).
+        self.steps = 0
         self.observer = Observer(
             pipeline,
-            lambda sink: SchedulerLifecycle(self.gen, world, settings.receipt_deadline_s, sink),
+            lambda sink: SchedulerLifecycle(self.gen, world, settings.receipt_deadline_s, sink,
+                                            progress=lambda: self.steps),
             _resource(connector, settings, "scheduler"))
         pipeline.register(self.observer)
         self.consumer = self.observer.lifecycle
@@ -110,6 +114,7 @@ class SchedulerSeams:
             self.pipeline.count_error("seam")
 
     def after_build_meta(self, so: Any, meta: Any) -> None:
+        self.steps += 1
         try:
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             preempted_ids, open_ = so.preempted_req_ids, self.open

@@ -245,7 +245,7 @@ def _run_harness(opts: DemoOptions, stream: TextIO) -> dict:
                 break
         bar.close()
         if stall:
-            h.run_for(1.5)  # the receipt deadline passes while the engine steps
+            h.run_for(2.0)  # the receipt deadline passes while the engine steps
         pipeline = current_pipeline()
         if pipeline is not None:
             dropped = pipeline.drop_counts()

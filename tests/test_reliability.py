@@ -79,6 +79,10 @@ def test_collector_absent_for_the_whole_run(monkeypatch, stats, caplog):
         "export_queue_full"] == built
     assert dropped["metric_export_failed"] > 0 and errors["metric_export"] == 0
     lines = [r.getMessage() for r in caplog.records]
+    # One line per kind of loss as it starts, and one with the totals at the end.
+    (final,) = [m for m in lines if "observations dropped in this process" in m]
+    assert f"export_failed={dropped['export_failed']}" in final, final
+    lines.remove(final)
     assert sum("not delivered (export_failed)" in m for m in lines) == 1
     assert sum("metric_export_failed" in m for m in lines) == 1
     assert not [r for r in caplog.records if r.exc_info]  # a dead endpoint is no bug

@@ -100,7 +100,7 @@ import json, sys
 from kvobs_otel.demo import DemoOptions, run_demo
 requests, seed, out, endpoint = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 summary = run_demo(DemoOptions(ranks=2, requests=requests, seed=seed, out=out,
-                               otlp_endpoint=endpoint, start_method="fork"))
+                               otlp_endpoint=endpoint, start_method="fork", mode="harness"))
 print(json.dumps(summary))
 sys.exit(1 if summary["incomplete_receipts"] else 0)   # as `kvobs-otel demo`
 """

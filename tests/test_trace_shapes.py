@@ -46,7 +46,7 @@ def withheld(runner: str) -> None:
     with Harness(HarnessConfig(num_ranks=2, model_runner=runner,
                                stall={"rank": 1, "kind": "load"})) as h:
         start_recovery(h, "w")
-        h.run_for(1.3)  # past the fixture's 1 s receipt deadline, stepping
+        h.run_for(2.0)  # past the fixture's 1 s receipt deadline, stepping
         current_pipeline().flush()
 
 

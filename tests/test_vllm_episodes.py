@@ -142,7 +142,7 @@ def test_withheld_rank_ends_job_as_error_naming_it(observe):
     cfg = HarnessConfig(num_ranks=2, stall={"rank": 1, "kind": "load"})
     with Harness(cfg) as h:
         start_recovery(h, "w")
-        h.run_for(1.3)  # past the 1 s receipt deadline of the fixture, stepping
+        h.run_for(2.0)  # past the 1 s receipt deadline of the fixture, stepping
         current_pipeline().flush()
         spans = [view(s) for s in observe.spans()]
         (job,) = [s for s in spans if s.name == "kv.job" and s.attrs["kvobs.job.kind"] == "load"]

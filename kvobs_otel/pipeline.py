@@ -162,13 +162,13 @@ class Pipeline:
                        exported=lambda: {"spans": self.exported_spans()})
         return providers
 
-    def close_process_metrics(self) -> None:
+    def close_process_metrics(self, timeout_s: float = 2.0) -> None:
         providers, self.process_metrics = self.process_metrics, None
         if providers is not None:
             self.log_final_counts()
             try:
-                providers.flush()
-                providers.shutdown()
+                providers.flush(int(timeout_s * 1000))
+                providers.shutdown(int(timeout_s * 1000))
             except Exception:
                 self.count_error("export_shutdown")
 
@@ -236,7 +236,7 @@ class Pipeline:
         self._stop = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=1)
         self.drain_once()
 
 
@@ -257,7 +257,10 @@ def current_pipeline() -> Pipeline | None:
     return _pipeline
 
 
-CLOSE_TIMEOUT_S = 10.0
+# vLLM gives its EngineCore and workers 5 s after SIGTERM before it kills
+# them (--shutdown-timeout; vllm/v1/utils.py, shutdown): the final flush of
+# spans and counts must fit well inside that.
+CLOSE_TIMEOUT_S = 3.0
 
 
 def close_pipeline() -> None:

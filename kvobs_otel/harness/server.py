@@ -180,13 +180,19 @@ class EngineServer:
         return sum_samples(self.metrics_text(), name)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
-        """Signal the server, wait for it, then end its process group."""
+        """Signal the server and wait for it; then give its EngineCore and
+        workers the rest of ``timeout_s`` to finish their own exit (they
+        flush their spans and final counts on the way out) before the group
+        is killed."""
+        deadline = time.monotonic() + timeout_s
         if self.proc.poll() is None:
             try:
                 self.proc.send_signal(sig)
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            time.sleep(0.2)
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
@@ -200,6 +206,16 @@ class EngineServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def sum_samples(text: str, name: str, **labels: str) -> float:

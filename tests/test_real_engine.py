@@ -282,8 +282,11 @@ def test_the_explicit_connector_class_traces_the_real_engine(stack, model, tmp_p
     service = "kvobs-engine-explicit"
     endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
     accepted_before = stack.collector_accepted_spans()
-    server = start_server(model, tmp_path, ServeConfig(observe="explicit"),
-                          otel_env(endpoint, service))
+    # vLLM kills its EngineCore and workers 5 s after SIGTERM by default; on a
+    # busy machine their own shutdown can take that long, and this test is
+    # about what a process delivers when it is let to finish.
+    cfg = ServeConfig(observe="explicit", extra_args=["--shutdown-timeout", "30"])
+    server = start_server(model, tmp_path, cfg, otel_env(endpoint, service))
     try:
         result = load(server, salt="explicit")
         preemptions = server.metric("vllm:num_preemptions_total")

@@ -82,12 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser(
         "import-hust", help="turn vLLM-HUST JSONL evidence files into spans",
-        description="Read the vLLM-HUST plugin's JSONL files (schemas "
-        "vllm-hust.kv-transfer-event.v2, vllm-hust.host-fact.v1, vllm-hust.correlated-host.v2) "
+        description="Read the JSONL files the vLLM-HUST plugin writes (schemas "
+        "vllm-hust.kv-transfer-event.v2, vllm-hust.kv-transfer-host-fact.v1, "
+        "vllm-hust.kv-transfer-correlated-host.v2; any mix, several processes per file) "
         "and write the same spans the live adapter makes: to an OTLP JSON file, and to an "
-        "OTLP endpoint when one is configured. Records are joined by their ids, never ordered "
-        "across processes by their clocks. Exit status: 0 all lines used, 1 some lines "
-        "refused or the evidence has anomalies (counted in the summary), 2 nothing usable.")
+        "OTLP endpoint when one is configured; then judge each recovery as `kvobs-otel check` "
+        "does. Records are joined by their ids, never ordered across processes by their "
+        "clocks. Exit status: 0 every line used and every recovery complete; 1 lines "
+        "refused, anomalies, transfers that never completed or incomplete recoveries (the "
+        "summary names them and their ranks); 2 nothing usable.")
     h.add_argument("files", nargs="+", metavar="FILE", help="JSONL files (any order)")
     h.add_argument("-o", "--out", default="kvobs-hust.otlp.jsonl",
                    help="OTLP JSON output file (default ./kvobs-hust.otlp.jsonl)")
@@ -157,7 +160,7 @@ def _import_hust(args: argparse.Namespace) -> int:
     import os
 
     from kvobs_otel.hosts.hust.jsonl import read_evidence
-    from kvobs_otel.hust_import import format_summary, import_evidence, summary
+    from kvobs_otel.hust_import import format_summary, import_evidence, incomplete, summary
     from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
     from kvobs_otel.telemetry.providers import make_providers, make_span_exporter
 
@@ -201,9 +204,14 @@ def _import_hust(args: argparse.Namespace) -> int:
         return make_providers(attrs, span_exporters=exporters, metrics=False)
 
     result = import_evidence(evidence, providers, RequestIdHasher(key) if key else None)
-    s = summary(evidence, result, args.out, endpoint)
-    print(json.dumps(s, indent=2) if args.json else format_summary(s))
-    return 1 if (s["refused"] or s["anomalies"] or s["unreadable"]) else 0
+    from kvobs_otel.check import check_spans, format_table
+    from kvobs_otel.otlp_file import read_spans
+
+    episodes, judged = check_spans(read_spans(args.out))
+    s = summary(evidence, result, judged, args.out, endpoint)
+    print(json.dumps(s, indent=2) if args.json
+          else format_summary(s, format_table(episodes) if episodes else None))
+    return 1 if incomplete(s) else 0
 
 
 def _check(args: argparse.Namespace, spans: list) -> int:

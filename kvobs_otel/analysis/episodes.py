@@ -85,6 +85,21 @@ def _sorted_ranks(ranks: Iterable[int | None]) -> list[int | None]:
     return sorted(set(ranks), key=lambda r: (r is None, r or 0))
 
 
+def _name_unreceipted(ep: Episode, transfers: list[FileSpan], ranks: set[int]) -> None:
+    """An episode that never ended properly may hold restores whose receipt
+    never came (a rank that never reported): name the ranks from the
+    restores in its trace. The scheduler could not: it never saw them."""
+    loads = [s for s in transfers if s.attributes.get("kvobs.direction") == "h2d"]
+    expected = ranks | {r for r in map(_rank, loads) if r is not None}
+    for job_id in sorted({int(s.attributes.get("kvobs.job.id", -1)) for s in loads}
+                         - set(ep.restore_jobs)):
+        done = {_rank(s) for s in loads if int(s.attributes.get("kvobs.job.id", -1)) == job_id
+                and s.attributes.get("kvobs.outcome") == "ok"}
+        ep.problems.append(f"restore job {job_id}: no receipt; restored on ranks "
+                           f"{sorted(r for r in done if r is not None)}, missing on ranks "
+                           f"{sorted(expected - done)}")
+
+
 def _check(ep: Episode) -> None:
     p = ep.problems
     ranks = set(range(ep.expected_ranks))
@@ -116,6 +131,8 @@ def _check(ep: Episode) -> None:
                and s.attributes.get("kvobs.outcome") in transfer_ok}
         if got != ranks:
             p.append(f"restore job {job_id}: restore missing on ranks {sorted(ranks - got)}")
+    if ranks_joined and ep.outcome not in ENDED_OK:
+        _name_unreceipted(ep, transfers, ranks)
     if failed_restore:
         _check_failure(ep, transfers, ranks_joined)
     n_adm = len(ep.named("kv.admission"))

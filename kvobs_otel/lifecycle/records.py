@@ -94,7 +94,7 @@ class FirstComputeRecord:
     epoch: int
     rank: int
     worker_gen: str
-    compute_kind: str
+    compute_kind: str | None  # None: a v1 host that did not know it
     start_ns: int
     end_ns: int
     join_scope: str = JOIN_CLUSTER

@@ -229,8 +229,9 @@ class SpanBuilder:
     def _first_compute(self, r: rec.FirstComputeRecord) -> None:
         attrs: dict[str, Any] = {
             A.REQUEST_ID: r.req_id, A.EPOCH: r.epoch, A.RANK: r.rank,
-            A.WORKER_GEN: r.worker_gen, A.COMPUTE_KIND: r.compute_kind,
-            A.SCHED_GEN: r.sched_gen}
+            A.WORKER_GEN: r.worker_gen, A.SCHED_GEN: r.sched_gen}
+        if r.compute_kind:  # a v1 host may not know it
+            attrs[A.COMPUTE_KIND] = r.compute_kind
         if r.join_scope == rec.JOIN_PROCESS:
             attrs[A.JOIN_SCOPE] = r.join_scope
             parent = None

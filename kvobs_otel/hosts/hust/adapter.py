@@ -129,6 +129,10 @@ class Adapter:
         self.pid = os.getpid()
         self.router: Router | None = None
         self.handles: list[tuple[Any, Any]] = []  # (module, handle)
+        # Cleared in a forked child: some fork versions keep v1 observers
+        # registered across fork() (observability.py before its fork reset),
+        # and this process's buffer has no drain thread there.
+        self.live = [True]
 
     def attach(self, settings: Settings, detection: contracts.Detection) -> bool:
         from kvobs_otel.pipeline import get_pipeline
@@ -141,12 +145,14 @@ class Adapter:
         module = detection.admitted[chosen.key]
         offer = pipeline.offer
         now = time.monotonic_ns
+        live = self.live
 
         def observe(record: Any) -> None:
-            try:
-                offer((router, _RECORD, now(), record))
-            except Exception:
-                pipeline.count_error("seam")
+            if live[0]:
+                try:
+                    offer((router, _RECORD, now(), record))
+                except Exception:
+                    pipeline.count_error("seam")
             return None
 
         register = getattr(module, chosen.register)
@@ -188,6 +194,15 @@ def current() -> Adapter | None:
     (the fork drops observers in a forked child)."""
     a = _adapter
     return a if a is not None and a.pid == os.getpid() else None
+
+
+def _after_fork_in_child() -> None:
+    a = _adapter
+    if a is not None:
+        a.live[0] = False  # the plugin registers anew in the child
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def attach(settings: Settings, detection: contracts.Detection) -> bool:

@@ -27,12 +27,18 @@ class Contract:
     api_version: str
     register: str
     unregister: str
+    name_constant: str  # the module constants that name the contract and its API version
+    version_constant: str
 
 
+# Names as in the fork's modules (docs/hosts.md, "Facts the adapter relies on").
 V2 = Contract("v2", _BASE + "correlated_observability", "vllm.kv-transfer.observer.v2", "2.0",
-              "register_correlated_observer", "unregister_correlated_observer")
+              "register_correlated_observer", "unregister_correlated_observer",
+              "KV_TRANSFER_CORRELATED_OBSERVER_CONTRACT",
+              "KV_TRANSFER_CORRELATED_OBSERVABILITY_API_VERSION")
 V1 = Contract("v1", _BASE + "observability", "vllm.kv-transfer.observer.v1", "1.0",
-              "register_kv_transfer_observer", "unregister_kv_transfer_observer")
+              "register_kv_transfer_observer", "unregister_kv_transfer_observer",
+              "KV_TRANSFER_OBSERVER_CONTRACT", "KV_TRANSFER_OBSERVABILITY_API_VERSION")
 CONTRACTS = (V2, V1)  # order of preference
 
 # Reasons a contract module is refused (metric label values; keep stable).
@@ -65,8 +71,8 @@ class Detection:
 
 def check_module(contract: Contract, module: Any) -> tuple[str, str] | None:
     """(reason, detail) when ``module`` is not the contract we know, else None."""
-    name = getattr(module, "KV_TRANSFER_OBSERVER_CONTRACT", None)
-    version = getattr(module, "KV_TRANSFER_OBSERVABILITY_API_VERSION", None)
+    name = getattr(module, contract.name_constant, None)
+    version = getattr(module, contract.version_constant, None)
     if name != contract.name:
         return UNKNOWN_CONTRACT, f"contract {name!r}, expected {contract.name!r}"
     if version != contract.api_version:

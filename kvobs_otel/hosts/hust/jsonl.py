@@ -1,17 +1,23 @@
-"""Read the vLLM-HUST plugin's JSONL evidence files, one process at a time.
+"""Read the vLLM-HUST plugin's JSONL files into per-process record streams.
 
-Schemas: ``vllm-hust.kv-transfer-event.v2`` (a contract v1 record per line),
-``vllm-hust.correlated-host.v2`` (a contract v2 record) and
-``vllm-hust.host-fact.v1`` (a fact about the writing process). The fork's
-docs name these schemas, not their fields; the layout read here is the one
-documented in docs/hosts.md: every line carries ``schema``, ``pid``,
-``process_start_id`` (32 hex, unique per process lifetime), ``seq`` (the
-writer's line number) and the record's own fields, flat, plus ``contract``
-and ``api_version`` on record lines.
+A file may hold the lines of several processes: with
+``VLLM_HUST_KV_TRANSFER_OBSERVABILITY_EVENT_PATH`` set, the scheduler and
+every worker append to one file, whole lines under a lock (the plugin's
+``events.py``). No line carries a process id or a writer sequence; what
+identifies the writing process is in the records themselves
+(``plugin_records`` validates them):
 
-Records are grouped by ``process_start_id`` and ordered by ``seq``, never by
-``observed_at_ns``: each process has its own monotonic clock. Every line that
-cannot be used is counted by reason; none raises.
+| schema | stream (one process's records) |
+| --- | --- |
+| correlated-host v2, scheduler events | ``scheduler_generation`` |
+| correlated-host v2, rank events | ``worker_generation`` (and ``rank``) |
+| host-fact v1 | ``process_uuid`` |
+| kv-transfer-event v2 | ``identity.worker_generation`` and ``identity.rank`` |
+
+(A kv-transfer-event's transfer and receipt ids carry the writing process's
+32-hex scope too; they are kept as ids.) Within a stream, records are ordered
+by ``observed_at_ns``, which is that process's monotonic clock, then by their
+place in the files; times of different streams are never compared.
 """
 
 from __future__ import annotations
@@ -22,26 +28,24 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs_otel.hosts.hust import contracts, records
+from kvobs_otel.hosts.hust import plugin_records as P
+from kvobs_otel.hosts.hust import records as R
 
-TRANSFER_EVENT_SCHEMA = "vllm-hust.kv-transfer-event.v2"
-CORRELATED_SCHEMA = "vllm-hust.correlated-host.v2"
-HOST_FACT_SCHEMA = "vllm-hust.host-fact.v1"
-_RECORD_SCHEMAS = {TRANSFER_EVENT_SCHEMA: contracts.V1, CORRELATED_SCHEMA: contracts.V2}
+MAX_LINE_BYTES = 1024 * 1024  # the plugin's max_record_bytes and its validator's limit
 
-# Line-level refusal reasons (record-level ones come from ``records``).
+TOO_LARGE = "line_too_large"
 NOT_JSON = "line_not_json"
 TRUNCATED = "line_truncated"
 DUPLICATE_KEY = "line_duplicate_key"
+NON_FINITE = "line_non_finite_number"
 NOT_OBJECT = "line_not_object"
-BAD_IDENTITY = "line_bad_identity"
 UNKNOWN_SCHEMA = "line_unknown_schema"
-DUPLICATE_SEQ = "line_duplicate_seq"
-BAD_HOST_FACT = "line_bad_host_fact"
 
 
-class _DuplicateKey(ValueError):
-    pass
+class _Refuse(ValueError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -50,131 +54,102 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise _DuplicateKey(k)
+            raise _Refuse(DUPLICATE_KEY)
         out[k] = v
     return out
 
 
+def _non_finite(_text: str) -> Any:
+    raise _Refuse(NON_FINITE)  # NaN, Infinity: not JSON, and never written
+
+
 @dataclass
-class ProcessEvidence:
-    """Everything one process wrote (it may span several files)."""
+class Stream:
+    """One process's records of one schema family, in that process's order."""
 
-    start_id: str
-    pid: int
+    schema: str
+    key: tuple[Any, ...]
+    role: str  # "scheduler" or "worker"
+    rank: int | None
+    # (observed_at_ns, file index, line number, record fields)
+    records: list[tuple[int, int, int, dict[str, Any]]] = field(default_factory=list)
     files: set[str] = field(default_factory=set)
-    role: str | None = None  # from its host fact
-    rank: int | None = None
-    generation: str | None = None
-    # seq -> (contract key, validated record fields)
-    lines: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
-    mtime_ns: int = 0
+    mtime_ns: int = 0  # of the file holding its latest record
 
-    def ordered(self) -> list[tuple[str, dict[str, Any]]]:
-        return [self.lines[s] for s in sorted(self.lines)]
+    def ordered(self) -> list[dict[str, Any]]:
+        return [r[3] for r in sorted(self.records, key=lambda r: r[:3])]
+
+    @property
+    def last_ns(self) -> int:
+        return max(r[0] for r in self.records)
 
 
 @dataclass
 class Evidence:
-    processes: dict[str, ProcessEvidence] = field(default_factory=dict)
+    streams: dict[tuple[Any, ...], Stream] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     lines: int = 0
+    by_schema: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
 
     @property
     def records(self) -> int:
-        return sum(len(p.lines) for p in self.processes.values())
+        return sum(len(s.records) for s in self.streams.values())
 
 
-def _identity(obj: dict[str, Any]) -> tuple[str, int, str, int] | None:
-    schema, pid, start, seq = (obj.get("schema"), obj.get("pid"), obj.get("process_start_id"),
-                               obj.get("seq"))
-    ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= records.MAX_ID
-                  for v in (pid, seq))
-    start_ok = (isinstance(start, str) and len(start) == 32
-                and all(c in "0123456789abcdef" for c in start))
-    if not (isinstance(schema, str) and ints_ok and start_ok):
-        return None
-    return schema, pid, start, seq  # type: ignore[return-value]
+def stream_of(schema: str, d: dict[str, Any]) -> tuple[tuple[Any, ...], str, int | None]:
+    """(stream key, role, rank) of a valid record."""
+    if schema == P.CORRELATED_SCHEMA:
+        if d["event"] in R.V2_SCHEDULER_EVENTS:
+            return (schema, "scheduler", d["scheduler_generation"]), "scheduler", None
+        return (schema, "worker", d["worker_generation"]), "worker", d["rank"]
+    if schema == P.HOST_FACT_SCHEMA:
+        if d["event"] == "first_compute":
+            return (schema, "worker", d["process_uuid"]), "worker", d["rank"]
+        return (schema, "scheduler", d["process_uuid"]), "scheduler", None
+    return (schema, "worker", d["worker_generation"], d["rank"]), "worker", d["rank"]
 
 
-def _host_fact(proc: ProcessEvidence, obj: dict[str, Any]) -> str | None:
-    role, rank, gen = obj.get("role"), obj.get("rank"), obj.get("generation")
-    if role not in ("scheduler", "worker"):
-        return BAD_HOST_FACT
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
-                             or not 0 <= rank < records.MAX_RANK):
-        return BAD_HOST_FACT
-    if gen is not None:
-        try:
-            records._generation(gen)
-        except records.Refused:
-            return BAD_HOST_FACT
-    if proc.role is not None and (proc.role, proc.rank) != (role, rank):
-        return BAD_HOST_FACT  # two different facts about one process
-    proc.role, proc.rank, proc.generation = role, rank, gen
-    return None
-
-
-def _record(obj: dict[str, Any], contract: contracts.Contract) -> tuple[dict | None, str | None]:
-    if obj.get("contract") != contract.name:
-        return None, contracts.UNKNOWN_CONTRACT
-    if obj.get("api_version") != contract.api_version:
-        return None, contracts.UNKNOWN_API_VERSION
-    if contract is contracts.V2:
-        fields = {k: records.json_tuples(obj.get(k)) for k in records.V2_FIELDS}
-        return records.check_v2(fields)
-    fields = {k: records.json_tuples(obj.get(k)) for k in records.V1_FIELDS}
-    return records.check_v1(fields)
-
-
-def _line(ev: Evidence, path: str, text: str, last: bool) -> None:
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey:
-        ev.refused[DUPLICATE_KEY] += 1
+def _line(ev: Evidence, index: int, path: str, mtime: int, number: int, raw: bytes,
+          last: bool) -> None:
+    if len(raw) > MAX_LINE_BYTES:
+        ev.refused[TOO_LARGE] += 1
         return
-    except ValueError:  # JSONDecodeError, bad UTF-8 surrogates, huge numbers
+    try:
+        obj = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_non_finite)
+    except _Refuse as r:
+        ev.refused[r.reason] += 1
+        return
+    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, deep nesting
         ev.refused[TRUNCATED if last else NOT_JSON] += 1
         return
     if not isinstance(obj, dict):
         ev.refused[NOT_OBJECT] += 1
         return
-    ident = _identity(obj)
-    if ident is None:
-        ev.refused[BAD_IDENTITY] += 1
-        return
-    schema, pid, start, seq = ident
-    if schema != HOST_FACT_SCHEMA and schema not in _RECORD_SCHEMAS:
+    if obj.get("schema") not in P.SCHEMAS:
         ev.refused[UNKNOWN_SCHEMA] += 1
         return
-    proc = ev.processes.get(start)
-    if proc is None:
-        proc = ev.processes[start] = ProcessEvidence(start, pid)
-    if proc.pid != pid:
-        ev.refused[BAD_IDENTITY] += 1  # one process start id, two pids
+    schema, d, reason = P.check_line(obj)
+    if d is None or schema is None:
+        ev.refused[reason or R.NOT_A_RECORD] += 1
         return
-    proc.files.add(path)
-    if schema == HOST_FACT_SCHEMA:
-        reason = _host_fact(proc, obj)
-        if reason:
-            ev.refused[reason] += 1
-        return
-    contract = _RECORD_SCHEMAS[schema]
-    fields, reason = _record(obj, contract)
-    if fields is None:
-        ev.refused[reason or records.NOT_A_RECORD] += 1
-        return
-    if seq in proc.lines:
-        ev.refused[DUPLICATE_SEQ] += 1
-        return
-    proc.lines[seq] = (contract.key, fields)
+    key, role, rank = stream_of(schema, d)
+    stream = ev.streams.get(key)
+    if stream is None:
+        stream = ev.streams[key] = Stream(schema, key, role, rank)
+    t = d["observed_at_ns"]
+    if not stream.records or t >= stream.last_ns:
+        stream.mtime_ns = mtime
+    stream.records.append((t, index, number, d))
+    stream.files.add(path)
+    ev.by_schema[schema] += 1
 
 
 def read_evidence(paths: list[str], progress: Any = None) -> Evidence:
     """Read every file; unreadable files are listed, bad lines counted."""
     ev = Evidence()
-    for path in paths:
+    for index, path in enumerate(paths):
         try:
             with open(path, "rb") as fh:
                 data = fh.read()
@@ -183,18 +158,13 @@ def read_evidence(paths: list[str], progress: Any = None) -> Evidence:
             ev.unreadable.append((path, e.strerror or str(e)))
             continue
         ev.files.append(path)
-        text = data.decode("utf-8", errors="replace")  # bad bytes -> a line that fails
-        chunks = text.split("\n")
-        complete = chunks[:-1]
-        tail = chunks[-1]  # no newline after it: the writer may have been cut off
-        for i, chunk in enumerate(complete + ([tail] if tail.strip() else [])):
-            if not chunk.strip():
+        chunks = data.split(b"\n")
+        complete, tail = chunks[:-1], chunks[-1]  # no newline after tail: cut off mid-write?
+        for number, raw in enumerate(complete + ([tail] if tail.strip() else [])):
+            if not raw.strip():
                 continue
             ev.lines += 1
-            _line(ev, path, chunk, last=i == len(complete))
-        for proc in ev.processes.values():
-            if path in proc.files:
-                proc.mtime_ns = max(proc.mtime_ns, mtime)
+            _line(ev, index, path, mtime, number, raw, last=number == len(complete))
         if progress is not None:
             progress(path, len(complete))
     return ev

@@ -144,7 +144,7 @@ class _EpisodeTable(_Base):
             expected_ranks=len(expected), receipt_ranks=sorted(ranks), missing_ranks=missing,
             duplicate_receipts=0, outcome=outcome, start_ns=t_receipt, end_ns=t_receipt,
             episode_epoch=epoch if req is not None else 0,
-            episode_role=rec.RESTORE if req is not None and kind == "load" else None))
+            episode_role=rec.RESTORE if req is not None and epoch and kind == "load" else None))
         return outcome
 
     def _admitted(self, gen: str, req: str, epoch: int, jobs: list[int], ranks: set[int],
@@ -308,10 +308,15 @@ class ProcessScheduler(_EpisodeTable):
             self._requeued(self.gen, d["request_id"], d["recovery_epoch"], t,
                            d["requeue_reason"] or "unclassified")
         elif event == "transfer_receipt":
-            job, ranks = d["job_id"], d["ranks"]
+            job, ranks, req = d["job_id"], d["ranks"], d["request_id"]
             if d["operation"] == "d2h_preserve":
-                # No request id on a v1 receipt: a store counts, but joins nothing.
-                self._job(self.gen, job, None, 0, list(ranks), t, kind="store")
+                self._job(self.gen, job, req, 0, list(ranks), t, kind="store")
+                return
+            if req is not None and (self.gen, req) not in self.episodes:
+                # The host sends a receipt for every load, not only restores
+                # (scheduler.py update_connector_output): with no recovery
+                # open for its request, this one is ordinary traffic.
+                self._job(self.gen, job, req, 0, list(ranks), t)
                 return
             if job in self.pending:
                 self.counts["duplicate_stage"] += 1
@@ -403,6 +408,96 @@ class ProcessWorker(_Base):
     def shutdown(self, t: int, outcome: str = rec.TRANSFER_CANCELLED) -> None:
         for job in list(self.inflight):
             self._transfer(job, t, outcome)
+
+
+# ------------------------------------------------ the plugin's own records
+
+
+_STARTED = frozenset({"preserve_started", "restore_started", "transfer_started"})
+_ENDED = {"preserve_completed": rec.TRANSFER_OK, "restore_completed": rec.TRANSFER_OK,
+          "transfer_completed": rec.TRANSFER_OK, "transfer_failed": rec.TRANSFER_FAILED,
+          "transfer_cancelled": rec.TRANSFER_CANCELLED}
+
+
+class PluginTransfers(_EpisodeTable):
+    """One worker process's ``vllm-hust.kv-transfer-event.v2`` records: the
+    plugin's own account of its transfers (and, in the schema, of a recovery
+    seen from that one process). Ids are the records' process-scoped transfer
+    ids; nothing joins another process (``join_scope="process"``)."""
+
+    role = "worker"
+
+    def __init__(self, sink: RecordSink, rank: int, gen: str) -> None:
+        super().__init__(sink, rec.JOIN_PROCESS)
+        self.rank = rank
+        self.gen = gen  # the records' worker generation, as hex
+        # transfer id -> (t, direction, request, blocks, epoch)
+        self.inflight: OrderedDict[tuple[str, int], tuple[int, str, str, int, int]] = \
+            OrderedDict()
+        self.restored: OrderedDict[tuple[str, int], int] = OrderedDict()  # id -> completed at
+
+    def record(self, d: dict[str, Any], t: int) -> None:
+        if self._duplicate(d):
+            return
+        event, req, epoch = d["event"], d["request_id"], d["recovery_epoch"] or 0
+        if event in _STARTED:
+            tid = d["transfer_id"]
+            if tid in self.inflight:
+                self.counts["duplicate_stage"] += 1
+                return
+            self.inflight[tid] = (t, d["direction"], req, d.get("block_count", 0), epoch)
+            while len(self.inflight) > OPEN_CAP:
+                self.counts["transfer_evicted"] += 1
+                self._transfer(next(iter(self.inflight)), t, rec.TRANSFER_UNFINISHED)
+        elif event in _ENDED:
+            tid = d["transfer_id"]
+            if tid not in self.inflight:
+                self.counts["result_without_submit"] += 1
+                # A completion says how long it took on this clock: start there.
+                self.inflight[tid] = (t - d.get("duration_ns", 0), d["direction"], req,
+                                      d.get("block_count", 0), epoch)
+            device = d.get("device_duration_ns")
+            self._transfer(tid, t, _ENDED[event], d.get("bytes_moved"),
+                           device / 1e9 if device else None)
+            if event == "restore_completed":
+                self.restored[tid] = t
+                while len(self.restored) > SEEN_CAP:
+                    self.restored.popitem(last=False)
+        elif event == "recovery_requeued":
+            self._requeued(self.gen, req, epoch, t, d["requeue_reason"])
+        elif event == "recovery_admitted":
+            ep = self._episode(self.gen, req, epoch, t)
+            if ep is None:
+                return
+            jobs = []
+            for tid in d["associated_transfer_ids"]:
+                jobs.append(tid[1])
+                done = self.restored.get(tid)
+                if done is None:
+                    self.counts["admitted_without_receipt"] += 1
+                    continue
+                ep.receipts[tid[1]] = (done, (self.rank,))
+                self._job(self.gen, tid[1], req, epoch, [self.rank], done)
+            self._admitted(self.gen, req, epoch, jobs, {self.rank}, t)
+        else:  # first_compute
+            self.sink.emit(rec.FirstComputeRecord(
+                sched_gen=self.gen, req_id=req, epoch=epoch, rank=self.rank,
+                worker_gen=self.gen, compute_kind=d["compute_kind"], start_ns=t, end_ns=t,
+                join_scope=rec.JOIN_PROCESS))
+
+    def _transfer(self, tid: tuple[str, int], t: int, outcome: str, size: int | None = None,
+                  device_s: float | None = None) -> None:
+        start, direction, req, blocks, epoch = self.inflight.pop(tid)
+        self.sink.emit(rec.TransferRecord(
+            sched_gen=self.gen, job_id=tid[1], req_id=req, direction=direction, blocks=blocks,
+            size_bytes=size, device_time_s=device_s, rank=self.rank, worker_gen=self.gen,
+            outcome=outcome, start_ns=start, end_ns=t, episode_epoch=epoch,
+            join_scope=rec.JOIN_PROCESS))
+
+    def shutdown(self, t: int, outcome: str = rec.TRANSFER_CANCELLED) -> None:
+        for tid in list(self.inflight):
+            self._transfer(tid, t, outcome)
+        super().shutdown(t)
 
 
 def lifecycle_for(correlated: bool, role: str, rank: int | None, gen: str

@@ -1,28 +1,38 @@
 """The live vLLM-HUST adapter against the stand-in of the fork's contracts.
 
-The fork cannot be installed here; ``tests/standins/vllm_hust_contract``
-reproduces its documented contract surface (see its docstring). The stand-in
-modules are installed under the fork's module paths, so the adapter finds
-them exactly as it would find the fork's, and the stand-in's ``emit_v1`` /
-``emit_v2`` play the fork's call sites.
+The fork cannot be installed here; ``tests/standins/vllm_hust_contract`` is a
+STAND-IN written from facts read in the fork's source (see its docstrings).
+The stand-in modules are installed under the fork's module paths, so the
+adapter finds them exactly as it would find the fork's; the fork's call sites
+are played by its real emit functions (``chains.play`` / ``replay``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Iterator
+from enum import Enum
 from types import ModuleType
 
 import pytest
 from vllm_hust_contract import chains
 from vllm_hust_contract import correlated_observability as v2
 from vllm_hust_contract import observability as v1
+from vllm_hust_contract.observability import (
+    ComputeKind,
+    KVRegionDescriptor,
+    KVTransferEvent,
+    KVTransferObservation,
+    TransferOperation,
+)
 
 import kvobs_otel
 from kvobs_otel.analysis.episodes import rebuild
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.hust import contracts
+from kvobs_otel.hosts.hust import records as R
 from kvobs_otel.hosts.vllm import instrumentor
 from kvobs_otel.otlp_file import spans_from_document
 from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
@@ -56,11 +66,7 @@ def fork(monkeypatch: pytest.MonkeyPatch, telemetry) -> Iterator:
 
 
 def emit(chain: chains.Chain) -> None:
-    for e in chain:
-        if isinstance(e.record, v2.CorrelatedObservation):
-            v2.emit_v2(e.record)
-        else:
-            v1.emit_v1(e.record)
+    chains.play(chain)  # the fork's emit functions, each record at its own time
 
 
 def run(chain: chains.Chain, telemetry) -> list:
@@ -190,12 +196,15 @@ def test_duplicated_stage_is_seen_once_and_counted(fork, event, epoch, rank):
     assert fork.metric_total("kvobs.observer.anomalies", kind="duplicate_record") >= 1
 
 
-def test_roster_at_and_over_the_cap(fork):
+def test_roster_at_and_over_the_cap(fork, caplog):
     assert kvobs_otel.instrument(SETTINGS)
-    v2.emit_v2(chains.at_cap_admission())
-    with pytest.raises(v2.InvalidObservation):  # the host refuses it before dispatch
-        v2.emit_v2(chains.over_cap_admission())
+    v2.replay(chains.at_cap_admission())
+    with caplog.at_level(logging.ERROR, logger=v2.__name__):
+        v2.replay(chains.over_cap_admission())  # the host refuses it before dispatch
+    assert [r.getMessage() for r in caplog.records if r.name == v2.__name__] == [
+        "Invalid correlated KV observation; leaving serving unchanged"]
     kvobs_otel.uninstrument()
+    assert fork.metric_total("kvobs.host.refused") == 0  # never reached the adapter
     (root,) = fork.spans("kv.recovery")
     # The attribute is capped (KVOBS_OTEL_ROSTER_CAP); the rest is counted.
     assert len(root.attributes["kvobs.restore.job_ids"]) == SETTINGS.roster_cap
@@ -224,6 +233,7 @@ def test_v1_only_host_joins_within_each_process(monkeypatch, fork):
     install(monkeypatch, v1_module=v1, v2_module=None)
     spans = run(chains.v1_recovery_chain(), fork)
     assert v1.effective_evidence_requests() == ()  # never asks for host evidence
+    assert fork.metric_total("kvobs.host.refused") == 0
     episodes = rebuild(file_spans(spans))
     assert [(e.epoch, e.outcome, e.join_scope) for e in episodes] == [
         (1, "recovered", "process"), (2, "recovered", "process")]
@@ -246,9 +256,10 @@ def test_v1_only_host_joins_within_each_process(monkeypatch, fork):
 def test_v1_shutdown_cancel_is_an_error_transfer(monkeypatch, fork):
     install(monkeypatch, v1_module=v1, v2_module=None)
     e = chains.v1_shutdown_cancel()
-    submitted = chains.Emission(e.process, v1.KVTransferObservation(
-        "transfer_submitted", e.record.observed_at_ns - 10, operation="d2h_preserve",
-        job_id=e.record.job_id, rank=0, request_id=chains.REQUEST_ID, block_count=8))
+    submitted = chains.Emission(e.process, KVTransferObservation(
+        KVTransferEvent.TRANSFER_SUBMITTED, e.record.observed_at_ns - 10,
+        operation=TransferOperation.D2H_PRESERVE, job_id=e.record.job_id, rank=0,
+        request_id=chains.REQUEST_ID, block_count=8))
     run((submitted, e), fork)
     (t,) = fork.spans("kv.transfer")
     assert t.attributes["kvobs.outcome"] == "cancelled" and t.attributes["kvobs.direction"] == "d2h"
@@ -280,8 +291,8 @@ def test_unknown_contract_version_is_refused_fail_closed(monkeypatch, fork, capl
 
 def test_a_broken_fork_module_is_refused_not_raised(monkeypatch, fork):
     broken = ModuleType(contracts.V2.module)
-    broken.KV_TRANSFER_OBSERVER_CONTRACT = contracts.V2.name
-    broken.KV_TRANSFER_OBSERVABILITY_API_VERSION = "2.0"  # but no register function
+    broken.KV_TRANSFER_CORRELATED_OBSERVER_CONTRACT = contracts.V2.name
+    broken.KV_TRANSFER_CORRELATED_OBSERVABILITY_API_VERSION = "2.0"  # but no register()
     install(monkeypatch, v1_module=None, v2_module=broken)
     assert not kvobs_otel.instrument(SETTINGS)
     kvobs_otel.uninstrument()
@@ -389,8 +400,6 @@ def test_doctor_names_the_host_and_its_contract(monkeypatch, fork):
 
 
 def test_v2_receipt_missing_a_rank_is_an_error_and_counted(fork):
-    import dataclasses
-
     chain = list(chains.recovery_chain())
     i = next(i for i, e in enumerate(chain) if e.record.event == "transfer_receipt"
              and e.record.recovery_epoch == 2)
@@ -406,3 +415,200 @@ def test_v2_receipt_missing_a_rank_is_an_error_and_counted(fork):
                              outcome="receipt_incomplete") == 1
     # The admission roster still named rank 1: the disagreement is counted.
     assert fork.metric_total("kvobs.observer.anomalies", kind="roster_mismatch") == 1
+
+
+# ------------------------------------------- facts read in the fork's source
+
+
+def _v1_run(monkeypatch, fork, chain) -> list:
+    install(monkeypatch, v1_module=v1, v2_module=None)
+    return run(chain, fork)
+
+
+def test_v1_str_enum_members_are_read_by_value(monkeypatch, fork):
+    """observability.py: event, operation, reason, requeue_reason and
+    compute_kind are ``str`` Enum members; they come out as plain strings."""
+    for e in chains.v1_recovery_chain() + (chains.v1_shutdown_cancel(),):
+        got, reason = R.check_v1(e.record)
+        assert reason is None, (e.record, reason)
+        for name in ("event", "operation", "reason", "requeue_reason", "compute_kind"):
+            value = getattr(e.record, name)
+            if value is None:
+                assert got[name] is None
+            else:
+                assert isinstance(value, Enum) and type(got[name]) is str
+                assert got[name] == value.value
+    spans = _v1_run(monkeypatch, fork, chains.v1_recovery_chain())
+    assert fork.metric_total("kvobs.host.refused") == 0
+    kinds = [s.attributes["kvobs.compute.kind"] for s in fork.spans("kv.first_compute")]
+    assert sorted(kinds) == ["decode", "decode", "prefill", "prefill"]
+    assert all(type(k) is str for k in kinds)
+    assert {s.attributes["kvobs.direction"] for s in fork.spans("kv.transfer")} == {"h2d"}
+    assert all(e.complete for e in rebuild(file_spans(spans)))
+
+
+def test_v1_region_descriptors_are_counted_not_refused(monkeypatch, fork):
+    """observability.py: descriptors are ``KVRegionDescriptor`` objects, at
+    most MAX_DESCRIPTOR_REGIONS, the rest counted in dropped_descriptors."""
+    (descs, *_) = [e for e in chains.v1_recovery_chain()
+                   if e.record.event is KVTransferEvent.TRANSFER_DESCRIPTORS]
+    got, reason = R.check_v1(descs.record)
+    assert reason is None and got["descriptor_count"] == chains.BLOCKS[1]
+    full = dataclasses.replace(descs.record, dropped_descriptors=5, descriptors=tuple(
+        KVRegionDescriptor(0, 0, i, i, 1) for i in range(v1.MAX_DESCRIPTOR_REGIONS)))
+    got, reason = R.check_v1(full)
+    assert reason is None
+    assert (got["descriptor_count"], got["dropped_descriptors"]) == (4096, 5)
+    _v1_run(monkeypatch, fork, (descs, chains.Emission(descs.process, full)))
+    assert fork.metric_total("kvobs.host.refused") == 0
+    assert not fork.spans()  # nothing of the regions leaves the process
+
+
+def test_v1_first_compute_without_a_compute_kind_is_accepted(monkeypatch, fork):
+    """worker.py: with an unknown kind the worker warns and emits
+    ``compute_kind=None``."""
+    chain = tuple(
+        chains.Emission(e.process, dataclasses.replace(e.record, compute_kind=None))
+        if e.record.event is KVTransferEvent.FIRST_COMPUTE else e
+        for e in chains.v1_recovery_chain())
+    _v1_run(monkeypatch, fork, chain)
+    assert fork.metric_total("kvobs.host.refused") == 0
+    computes = fork.spans("kv.first_compute")
+    assert len(computes) == 4
+    assert not any("kvobs.compute.kind" in s.attributes for s in computes)
+    assert {s.attributes["kvobs.rank"] for s in computes} == set(chains.RANKS)
+
+
+def test_v1_receipt_without_an_open_recovery_is_an_ordinary_load(monkeypatch, fork):
+    """scheduler.py update_connector_output: the v1 receipt comes for every
+    exact load, plain prefix-cache loads included."""
+    request = "chatcmpl-prefix-hit"
+    sched, w0, w1 = chains.SCHEDULER, chains.WORKERS[0], chains.WORKERS[1]
+    op, job, t = TransferOperation.H2D_RESTORE, 3, 5_000_000
+    chain: list[chains.Emission] = []
+    for p in (w0, w1):
+        chain += [
+            chains.Emission(p, KVTransferObservation(
+                KVTransferEvent.TRANSFER_SUBMITTED, t, operation=op, job_id=job, rank=p.rank,
+                request_id=request, block_count=4)),
+            chains.Emission(p, KVTransferObservation(
+                KVTransferEvent.TRANSFER_COMPLETED, t + 10, operation=op, job_id=job,
+                rank=p.rank, request_id=request, success=True, bytes_moved=4 * 65536,
+                duration_ns=9))]
+    chain.append(chains.Emission(sched, KVTransferObservation(
+        KVTransferEvent.TRANSFER_RECEIPT, t + 20, operation=op, job_id=job, rank=None,
+        request_id=request, success=True, ranks=[0, 1])))
+    _v1_run(monkeypatch, fork, tuple(chain))
+    (kv_job,) = fork.spans("kv.job")
+    assert kv_job.attributes["kvobs.job.id"] == job
+    assert list(kv_job.attributes["kvobs.receipt.ranks"]) == [0, 1]
+    assert kv_job.attributes["kvobs.outcome"] == "complete"
+    assert kv_job.attributes["kvobs.request.id"] == request  # joined at once, not left over
+    assert not fork.spans("kv.recovery")
+    assert fork.metric_total("kvobs.observer.anomalies") == 0
+    assert fork.metric_total("kvobs.host.refused") == 0
+    assert fork.metric_total("kvobs.jobs", kind="load", outcome="complete") == 1
+
+
+def test_a_v1_host_without_fork_reset_hands_the_child_a_dead_observer(monkeypatch, tmp_path):
+    """observability.py @ 115e5f6 has no fork hook: a forked child keeps the
+    parent's v1 observer. It must do nothing there; the plugin, run again in
+    the child, registers anew and that registration carries the child's spans."""
+    import multiprocessing
+    import os
+
+    from kvobs_otel import pipeline as pipeline_module
+    from kvobs_otel.otlp_file import read_spans
+    from kvobs_otel.telemetry.providers import set_export_overrides
+
+    set_export_overrides(None, None)
+    out = tmp_path / "spans.jsonl"
+    for k, val in {"KVOBS_OTEL_TRACES_FILE": str(out), "OTEL_TRACES_EXPORTER": "none",
+                   "OTEL_METRICS_EXPORTER": "none"}.items():
+        monkeypatch.setenv(k, val)
+    v1.reset_kv_transfer_observers()
+    v2.reset_correlated_observers()
+    install(monkeypatch, v1_module=v1, v2_module=None)
+    epoch1 = [e for e in chains.v1_recovery_chain() if e.record.event not in (
+        KVTransferEvent.RECOVERY_ADMITTED, KVTransferEvent.FIRST_COMPUTE)
+        and e.record.recovery_epoch in (None, 1) and e.record.job_id in (None, 7)]
+    in_child = [e for e in epoch1 if e.process.rank == 1]
+    assert in_child
+    previous = v1.set_fork_reset(False)
+    try:
+        assert kvobs_otel.instrument(SETTINGS)
+        inherited = pipeline_module.current_pipeline()
+        assert inherited is not None
+
+        def child() -> None:
+            assert v1.kv_transfer_observers_configured()  # kept: no fork reset
+            accepted = inherited.buffer.accepted
+            assert kvobs_otel.instrument(SETTINGS)  # the plugin, run in the worker
+            assert len(v1._observers) == 2  # the parent's and the child's
+            emit(tuple(in_child))
+            assert inherited.buffer.accepted == accepted  # the inherited one did nothing
+            kvobs_otel.uninstrument()
+            os._exit(0)
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        v1.set_fork_reset(previous)
+        kvobs_otel.uninstrument()
+        v1.reset_kv_transfer_observers()
+    spans = read_spans(str(out))
+    transfers = [s for s in spans if s.name == "kv.transfer"]
+    assert len(transfers) == 1  # rank 1's restore, once
+    assert transfers[0].attributes["kvobs.rank"] == 1
+    assert transfers[0].resource["process.pid"] == proc.pid != os.getpid()
+
+
+def test_the_v2_module_is_admitted_by_its_real_constant_names(monkeypatch, fork, caplog):
+    """correlated_observability.py names its constants
+    KV_TRANSFER_CORRELATED_OBSERVER_CONTRACT / ..._API_VERSION; a v2 module
+    naming them as v1 does is not the contract we know."""
+    assert contracts.check_module(contracts.V2, v2) is None
+    assert contracts.check_module(contracts.V1, v1) is None
+    old_named = ModuleType(contracts.V2.module)
+    for name in dir(v2):
+        if not name.startswith("__") and not name.startswith("KV_TRANSFER_CORRELATED_"):
+            setattr(old_named, name, getattr(v2, name))
+    old_named.KV_TRANSFER_OBSERVER_CONTRACT = "vllm.kv-transfer.observer.v2"
+    old_named.KV_TRANSFER_OBSERVABILITY_API_VERSION = "2.0"
+    install(monkeypatch, v1_module=v1, v2_module=old_named)
+    with caplog.at_level(logging.ERROR, logger="kvobs_otel"):
+        assert kvobs_otel.instrument(SETTINGS)  # falls back to v1
+    assert not v2.correlated_observers_configured()
+    assert v1.kv_transfer_observers_configured()
+    assert any("v2 refused (contract_unknown)" in r.getMessage() for r in caplog.records)
+    kvobs_otel.uninstrument()
+    assert fork.metric_total("kvobs.host.refused", reason="contract_unknown") == 1
+
+
+def test_the_adapter_refuses_v2_records_the_host_constructor_refuses():
+    """correlated_observability.py checks types exactly; so does the adapter
+    for a record object (the JSON form cannot carry these types)."""
+    bad = chains.malformed_v2_records()
+    for name in ("event_plain_str", "event_v1_enum", "receipt_workers_list",
+                 "receipt_workers_none", "receipt_workers_plain_tuples"):
+        assert R.check_v2(bad[name])[0] is None, name
+    requeued = chains.recovery_chain()[0].record
+    for changes in ({"job_id": ()}, {"compute_kind": ()}, {"workers": None},
+                    {"request_id": TransferOperation.H2D_RESTORE}):
+        odd = v2.unchecked(**{**v2.fields_of(requeued), **changes})
+        with pytest.raises(ValueError):
+            v2.validate_correlated_observation(odd)
+        assert R.check_v2(odd)[0] is None, changes
+    first = next(e.record for e in chains.recovery_chain()
+                 if e.record.event == "first_compute")
+    # compute_kind is a plain str in v2, checked by value only: the host's
+    # constructor takes a ComputeKind member, and so does the adapter
+    as_member = dataclasses.replace(first, compute_kind=ComputeKind.PREFILL)
+    assert R.check_v2(as_member)[0]["compute_kind"] == "prefill"
+    assert type(R.check_v2(as_member)[0]["compute_kind"]) is str
+    got, reason = R.check_v2(first)
+    assert reason is None and got["event"] == "first_compute" and type(got["event"]) is str
+    assert got["roster"] == ((chains.JOB_IDS[1], tuple(sorted(
+        chains.WORKER_GENERATIONS.items()))),)

@@ -1,9 +1,15 @@
 """Malformed vLLM-HUST records, fuzzed with hypothesis: none may raise, every one is counted.
 
 ``tests/standins/vllm_hust_contract`` is a STAND-IN for the vLLM-HUST fork's
-contract modules (the fork cannot be installed here). Its host-side v2
-validation is the oracle for "the host would refuse this record": our own
-validation must be at least as strict.
+contract modules (the fork cannot be installed here), written from facts read
+in the fork's source. Mutations start from records of the real shapes
+(``WorkerReceipt``/``JobReceipt`` objects, ``str`` Enum members,
+``KVRegionDescriptor`` objects). The stand-in's
+``validate_correlated_observation`` (what the real ``CorrelatedObservation``
+constructor refuses) is the oracle for "the host would refuse this record":
+our own validation must be at least as strict. v2 records the host would
+refuse are built with the stand-in's ``unchecked`` (no validation), as a
+host without validation might hand them over.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import dataclasses
 import re
 import sys
 from collections.abc import Iterator
+from enum import Enum
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -21,6 +28,19 @@ from hypothesis import strategies as st
 from vllm_hust_contract import chains
 from vllm_hust_contract import correlated_observability as v2
 from vllm_hust_contract import observability as v1
+from vllm_hust_contract.correlated_observability import (
+    CorrelatedEvent,
+    JobReceipt,
+    WorkerReceipt,
+)
+from vllm_hust_contract.observability import (
+    ComputeKind,
+    KVRegionDescriptor,
+    KVTransferEvent,
+    RecoveryRequeueReason,
+    TransferCancellationReason,
+    TransferOperation,
+)
 
 import kvobs_otel
 from kvobs_otel.analysis.episodes import rebuild
@@ -41,20 +61,31 @@ V2_CHAIN = tuple(e.record for e in chains.recovery_chain())
 V1_CHAIN = tuple(e.record for e in chains.v1_recovery_chain())
 V1_RECORDS = (*V1_CHAIN, chains.v1_shutdown_cancel().record)
 GEN = chains.WORKER_GENERATIONS[0]
-WORKERS = tuple(sorted(chains.WORKER_GENERATIONS.items()))
-OVER = R.MAX_ROSTER + 1  # cheap to build: tuple multiplication and one range
-WORKERS_OVER = (tuple((r, GEN) for r in range(OVER)), ((0, GEN),) * OVER)
-ROSTER_OVER = (tuple((j, WORKERS) for j in range(OVER)), ((7, WORKERS),) * OVER,
-               ((7, WORKERS_OVER[0]),))
-DESCRIPTORS_OVER = ((0, 1, 0, 0, 65536),) * OVER
+W0, W1 = WorkerReceipt(0, GEN), WorkerReceipt(1, chains.WORKER_GENERATIONS[1])
+WORKERS = (W0, W1)
+ROSTER = (JobReceipt(7, WORKERS),)
+OVER = R.MAX_ROSTER + 1
+WORKERS_OVER = (tuple(WorkerReceipt(r, GEN) for r in range(OVER)), (W0,) * OVER)
+_HALF = tuple(WorkerReceipt(r, GEN) for r in range(R.MAX_ROSTER // 2 + 1))
+ROSTER_OVER = (tuple(JobReceipt(j, (W0,)) for j in range(OVER)), (ROSTER[0],) * OVER,
+               (JobReceipt(7, _HALF), JobReceipt(8, _HALF)))  # 4098 workers in all
+DESCRIPTORS_OVER = (KVRegionDescriptor(0, 1, 0, 0, 65536),) * OVER
+MEMBERS = tuple(m for enum in (KVTransferEvent, TransferOperation, TransferCancellationReason,
+                               RecoveryRequeueReason, ComputeKind, CorrelatedEvent)
+                for m in enum)
+V2_EVENT_NAMES = tuple(m.value for m in CorrelatedEvent)
 
 # ------------------------------------------------------------------ values
 JUNK = st.one_of(st.floats(), st.binary(max_size=8), st.lists(st.integers(), max_size=3),
                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
                  st.tuples(st.integers()), st.builds(object), st.complex_numbers())
-NON_INT = st.one_of(JUNK, st.booleans(), st.text(max_size=8))
+NON_INT = st.one_of(JUNK, st.booleans(), st.text(max_size=8), st.sampled_from(MEMBERS))
 NON_STR = st.one_of(JUNK, st.booleans(), st.integers())
 PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+
+
+def plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
 
 
 def spliced(odd: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
@@ -70,34 +101,42 @@ BAD_REQUEST_ID = st.one_of(
 BAD_GEN = st.one_of(st.text(max_size=40), st.text("0123456789abcdefABCDEF-", min_size=31,
                                                   max_size=33), st.just(GEN.upper()), NON_STR
                     ).filter(lambda g: not (isinstance(g, str) and re.fullmatch("[0-9a-f]{32}", g)))
-BAD_KIND = st.one_of(st.text(max_size=10), st.integers(), st.floats(), st.binary(max_size=4),
-                     st.sampled_from(["PREFILL", "verify", "decode "])
-                     ).filter(lambda k: k not in ("prefill", "decode"))
 
 
-def bad_event(events: frozenset[str]) -> st.SearchStrategy[Any]:
-    known = sorted(v1.EVENTS | v2.EVENTS | {"Recovery_requeued"})
-    return st.one_of(st.text(max_size=24), st.sampled_from(known), NON_STR).filter(
-        lambda e: not (isinstance(e, str) and e in events))
+def bad_enum(allowed: frozenset[str] | set[str]) -> st.SearchStrategy[Any]:
+    """Not a value of ``allowed``: odd strings, numbers, other enums' members."""
+    return st.one_of(st.text(max_size=10), st.integers(), st.floats(), st.binary(max_size=4),
+                     st.sampled_from(["PREFILL", "verify", "decode ", "H2D_RESTORE"]),
+                     st.sampled_from(MEMBERS)).filter(lambda k: plain(k) not in allowed)
 
 
 def bad_int(low: int, high: int) -> st.SearchStrategy[Any]:
     return st.one_of(NON_INT, st.integers(max_value=low - 1), st.integers(min_value=high + 1),
-                     st.sampled_from([low - 1, high + 1, 2**63, -(2**63), True, False]))
+                     st.sampled_from([low - 1, high + 1, 2**63, 2**64, -(2**63), True, False]))
 
 
 DESCENDING = st.tuples(st.integers(0, 99), st.integers(0, 99)).map(sorted).map(lambda p: p[::-1])
-BAD_WORKERS = st.one_of(st.just(()), st.just(list(WORKERS)), st.just(((0, GEN, 1),)),
-                        st.just(([0, GEN],)), DESCENDING.map(lambda p: tuple((r, GEN) for r in p)))
-BAD_ROSTER = st.one_of(st.just(()), st.just([(7, WORKERS)]), st.just(((7,),)),
-                       DESCENDING.map(lambda p: tuple((j, WORKERS) for j in p)),
-                       BAD_WORKERS.map(lambda w: ((7, w),)))
-V2_INTS = {"recovery_epoch": (1, R.MAX_EPOCH), "observed_at_ns": (0, R.MAX_ID),
-           "job_id": (0, R.MAX_ID), "rank": (0, R.MAX_RANK), "block_count": (1, R.MAX_BLOCKS)}
-V1_INTS = {"observed_at_ns": (0, R.MAX_ID), "job_id": (0, R.MAX_ID), "rank": (0, R.MAX_RANK),
-           "recovery_epoch": (1, R.MAX_EPOCH), "block_count": (0, R.MAX_BLOCKS),
+# workers the host's constructor refuses (each a bad roster for ours)
+BAD_WORKERS = st.one_of(
+    st.just(None), st.just(list(WORKERS)), st.just(((0, GEN), (1, GEN))),
+    st.just(({"rank": 0, "worker_generation": GEN},)),
+    st.just((SimpleNamespace(rank=0, worker_generation=GEN),)), st.just(ROSTER),
+    st.just((W0, W0)), st.just(tuple(sorted((W0, WorkerReceipt(0, W1.worker_generation))))),
+    DESCENDING.map(lambda p: tuple(WorkerReceipt(r, GEN) for r in p)))
+BAD_ROSTER = st.one_of(
+    st.just(None), st.just(list(ROSTER)), st.just(((7, WORKERS),)), st.just((7,)),
+    st.just(({"job_id": 7, "workers": WORKERS},)), st.just(WORKERS),
+    st.just((ROSTER[0], ROSTER[0])),
+    DESCENDING.map(lambda p: tuple(JobReceipt(j, WORKERS) for j in p)))
+V2_INTS = {"recovery_epoch": (1, R.MAX_ID), "observed_at_ns": (0, R.MAX_ID),
+           "job_id": (0, R.MAX_ID), "rank": (0, R.UINT32), "block_count": (1, R.UINT32)}
+V1_INTS = {"observed_at_ns": (0, R.MAX_ID), "job_id": (0, R.MAX_ID), "rank": (0, R.UINT32),
+           "recovery_epoch": (1, R.MAX_ID), "block_count": (0, R.UINT32),
            "bytes_moved": (0, R.MAX_ID), "duration_ns": (0, R.MAX_ID),
            "dropped_descriptors": (0, R.MAX_ID)}
+# one valid value for every v2 optional field
+V2_VALID = {"job_id": 7, "rank": 1, "worker_generation": GEN, "block_count": 16,
+            "workers": WORKERS, "roster": ROSTER, "compute_kind": "decode"}
 
 
 def _pick(draw: Any, *cases: tuple[str, st.SearchStrategy[Any], str]) -> tuple[str, Any, str]:
@@ -105,48 +144,81 @@ def _pick(draw: Any, *cases: tuple[str, st.SearchStrategy[Any], str]) -> tuple[s
     return name, draw(values), reason
 
 
+def v2_replace(record: Any, **changes: Any) -> Any:
+    """``record`` with ``changes``, built without validation."""
+    return v2.unchecked(**{**v2.fields_of(record), **changes})
+
+
 @st.composite
 def v2_one_bad(draw: Any) -> tuple[Any, str]:
     """A canonical v2 record with ONE field made invalid, and the reason it must get."""
     rec = draw(st.sampled_from(V2_CHAIN))
-    ints = [(n, bad_int(*b), R.BAD_NUMBER) for n, b in V2_INTS.items()]
-    needed = [(n, st.none(), R.MISSING_FIELD) for n in R.V2_REQUIRED[rec.event]]
+    shape = R.V2_SHAPES[rec.event.value]
+    cases = [(n, bad_int(*V2_INTS[n]), R.BAD_NUMBER)
+             for n in ("recovery_epoch", "observed_at_ns")]
+    cases += [(n, bad_int(*V2_INTS[n]), R.BAD_NUMBER) for n in shape if n in V2_INTS]
+    cases += [(n, st.just(() if n in ("workers", "roster") else None), R.MISSING_FIELD)
+              for n in shape]
+    cases += [(n, st.just(V2_VALID[n]), R.UNEXPECTED_FIELD) for n in V2_VALID if n not in shape]
+    cases += [(n, st.none(), R.BAD_ROSTER) for n in ("workers", "roster")]  # not a tuple
+    if "worker_generation" in shape:
+        cases.append(("worker_generation", BAD_GEN, R.BAD_GENERATION))
+    if "compute_kind" in shape:
+        cases.append(("compute_kind", bad_enum(R.COMPUTE_KINDS), R.BAD_ENUM))
+    if "workers" in shape:
+        cases += [("workers", BAD_WORKERS, R.BAD_ROSTER),
+                  ("workers", st.sampled_from(WORKERS_OVER), R.ROSTER_OVER_CAP)]
+    if "roster" in shape:
+        cases += [("roster", BAD_ROSTER, R.BAD_ROSTER),
+                  ("roster", st.sampled_from(ROSTER_OVER), R.ROSTER_OVER_CAP)]
     name, value, reason = _pick(
-        draw, *ints, *needed, ("event", bad_event(v2.EVENTS), R.UNKNOWN_EVENT),
+        draw, *cases,
+        # the host's constructor takes only its CorrelatedEvent members
+        ("event", st.one_of(st.text(max_size=24), st.sampled_from(V2_EVENT_NAMES),
+                            st.sampled_from(MEMBERS).filter(lambda m: type(m) is not
+                                                            CorrelatedEvent), NON_STR),
+         R.UNKNOWN_EVENT),
         ("scheduler_generation", BAD_GEN, R.BAD_GENERATION),
-        ("worker_generation", BAD_GEN, R.BAD_GENERATION),
-        ("request_id", BAD_REQUEST_ID, R.BAD_REQUEST_ID), ("compute_kind", BAD_KIND, R.BAD_ENUM),
-        ("workers", BAD_WORKERS, R.BAD_ROSTER), ("roster", BAD_ROSTER, R.BAD_ROSTER),
-        ("workers", st.sampled_from(WORKERS_OVER), R.ROSTER_OVER_CAP),
-        ("roster", st.sampled_from(ROSTER_OVER), R.ROSTER_OVER_CAP))
-    return dataclasses.replace(rec, **{name: value}), reason
+        ("request_id", BAD_REQUEST_ID | st.sampled_from(MEMBERS), R.BAD_REQUEST_ID))
+    return v2_replace(rec, **{name: value}), reason
 
 
 @st.composite
 def v1_one_bad(draw: Any) -> tuple[Any, str]:
     """A canonical v1 record with ONE field made invalid, and the reason it must get."""
     rec = draw(st.sampled_from(V1_RECORDS))
+    event = plain(rec.event)
     ints = [(n, bad_int(*b), R.BAD_NUMBER) for n, b in V1_INTS.items()]
-    needed = [(n, st.none(), R.MISSING_FIELD) for n in R.V1_REQUIRED[rec.event]
+    needed = [(n, st.none(), R.MISSING_FIELD) for n in R.V1_REQUIRED[event]
               if n not in ("ranks", "job_ids")]  # v1 defaults them to ()
-    enums = [(n, BAD_KIND, R.BAD_ENUM)
-             for n in ("operation", "compute_kind", "reason", "requeue_reason")]
+    enums = [(n, bad_enum(allowed), R.BAD_ENUM) for n, allowed in (
+        ("operation", R.OPERATIONS), ("compute_kind", R.COMPUTE_KINDS),
+        ("reason", {"host_shutdown"}), ("requeue_reason", {"unclassified"}))]
     name, value, reason = _pick(
-        draw, *ints, *needed, *enums, ("event", bad_event(v1.EVENTS), R.UNKNOWN_EVENT),
+        draw, *ints, *needed, *enums,
+        ("event", bad_enum(set(R.V1_REQUIRED)), R.UNKNOWN_EVENT),
         ("request_id", BAD_REQUEST_ID, R.BAD_REQUEST_ID),
         ("success", NON_INT.filter(lambda s: not isinstance(s, bool)), R.BAD_NUMBER),
         ("ranks", DESCENDING.map(tuple), R.BAD_ROSTER),
         ("ranks", st.just(tuple(range(OVER))), R.ROSTER_OVER_CAP),
+        ("job_ids", DESCENDING.map(tuple), R.BAD_ROSTER),
         ("descriptors", st.just(DESCRIPTORS_OVER), R.ROSTER_OVER_CAP),
-        ("descriptors", st.sampled_from([((7,),), (131300,), ((0, 1, 2, 3),)]),
-         R.NOT_A_RECORD),
-        ("descriptors", st.just(((0, 1, -1, 0, 65536),)), R.BAD_NUMBER))
+        ("descriptors", st.sampled_from([((7,),), (131300,), ((0, 1, 2, 3, 4),),
+                                         ({"src_region_id": 0},), (W0,)]), R.NOT_A_RECORD),
+        ("descriptors", st.sampled_from([(KVRegionDescriptor(0, 1, -1, 0, 65536),),
+                                         (KVRegionDescriptor(0, 1, 0, 0, True),),
+                                         (KVRegionDescriptor(0, "1", 0, 0, 1),)]),
+         R.BAD_NUMBER))
     return dataclasses.replace(rec, **{name: value}), reason
 
 
-ANY_VALUE = st.one_of(st.none(), NON_STR, st.text(max_size=8), BAD_REQUEST_ID, BAD_GEN,
-                      st.sampled_from([GEN, 0, 1, 7, "prefill", "h2d_restore", WORKERS, ()]),
-                      BAD_WORKERS, BAD_ROSTER, st.sampled_from(WORKERS_OVER + ROSTER_OVER))
+ANY_VALUE = st.one_of(
+    st.none(), NON_STR, st.text(max_size=8), BAD_REQUEST_ID, BAD_GEN,
+    st.sampled_from([GEN, 0, 1, 7, "prefill", "h2d_restore", WORKERS, ROSTER, (), W0,
+                     ROSTER[0], (KVRegionDescriptor(0, 0, 0, 0, 1),), list(WORKERS), [],
+                     *V2_EVENT_NAMES]),
+    st.sampled_from(MEMBERS), BAD_WORKERS, BAD_ROSTER,
+    st.sampled_from(WORKERS_OVER + ROSTER_OVER))
 
 
 @st.composite
@@ -155,7 +227,10 @@ def mutated(draw: Any, records: tuple[Any, ...]) -> Any:
     rec = draw(st.sampled_from(records))
     names = draw(st.lists(st.sampled_from([f.name for f in dataclasses.fields(rec)]),
                           min_size=1, max_size=4, unique=True))
-    return dataclasses.replace(rec, **{n: draw(ANY_VALUE) for n in names})
+    changes = {n: draw(ANY_VALUE) for n in names}
+    if isinstance(rec, v2.CorrelatedObservation):
+        return v2_replace(rec, **changes)
+    return dataclasses.replace(rec, **changes)
 
 
 class Hostile:
@@ -183,24 +258,49 @@ def claims_known_event(record: Any) -> bool:
     """Junk is only guaranteed junk if it does not name a known event."""
     event = record.get("event") if isinstance(record, dict) else vars(record).get("event") \
         if isinstance(record, SimpleNamespace) else None
-    return isinstance(event, str) and event in (R.V1_REQUIRED.keys() | R.V2_REQUIRED.keys())
+    return isinstance(event, str) and event in (R.V1_REQUIRED.keys() | R.V2_SHAPES.keys())
 
 
 def host_refuses_v2(record: Any) -> bool:
+    """The oracle: the real constructor refuses these fields."""
     try:
         v2.validate_correlated_observation(record)
-    except Exception:  # InvalidObservation, or TypeError on unhashable values
+    except (ValueError, TypeError):
         return True
     return False
 
 
 # ------------------------------------------------------------------ pure validation
+def _expected_v2(rec: Any) -> dict[str, Any]:
+    """What check_v2 gives for a valid record: plain values, receipts as tuples."""
+    d = v2.fields_of(rec)
+    d["event"] = rec.event.value
+    d["workers"] = tuple((w.rank, w.worker_generation) for w in rec.workers) or None
+    d["roster"] = tuple((j.job_id, tuple((w.rank, w.worker_generation) for w in j.workers))
+                        for j in rec.roster) or None
+    return d
+
+
 def test_canonical_records_are_accepted_unchanged() -> None:
-    for rec in V2_CHAIN:
-        assert R.check_v2(rec) == (dataclasses.asdict(rec), None)
+    for rec in (*V2_CHAIN, *(e.record for e in chains.restarted_worker_chain()),
+                chains.at_cap_admission()):
+        got = R.check_v2(rec)
+        assert got == (_expected_v2(rec), None)
+        assert type(got[0]["event"]) is str
     for rec in V1_RECORDS:
         got, reason = R.check_v1(rec)
         assert reason is None and got["descriptor_count"] == len(rec.descriptors)
+        assert all(type(got[n]) is str for n in ("event", "operation", "reason",
+                                                 "requeue_reason", "compute_kind")
+                   if got[n] is not None)
+
+
+def test_the_oracle_refuses_every_malformed_record() -> None:
+    for name, record in chains.malformed_v2_records().items():
+        assert host_refuses_v2(record), name
+        assert R.check_v2(record)[0] is None, name
+    for rec in V2_CHAIN:
+        assert not host_refuses_v2(rec)
 
 
 @PURE
@@ -208,7 +308,7 @@ def test_canonical_records_are_accepted_unchanged() -> None:
 def test_v2_one_bad_field_is_refused_with_its_reason(case: tuple[Any, str]) -> None:
     record, reason = case
     assert R.check_v2(record) == (None, reason)
-    assert R.check_v2(dict(vars(record))) == (None, reason)  # the Mapping (file) form
+    assert host_refuses_v2(record) or reason == R.BAD_NUMBER  # ours: int64, the host's: uint64
 
 
 @PURE
@@ -236,6 +336,7 @@ def test_v1_never_raises_and_reasons_are_known(record: Any) -> None:
     assert got is not None or reason in R.RECORD_REASONS
     if got is not None:
         assert isinstance(got["descriptor_count"], int) and "descriptors" not in got
+        assert not any(isinstance(v, Enum) for v in got.values())
 
 
 @PURE
@@ -257,6 +358,7 @@ def install(monkeypatch: pytest.MonkeyPatch, v1_module: ModuleType | None,
 def fork(telemetry: Any) -> Iterator[Any]:
     v1.reset_kv_transfer_observers()
     v2.reset_correlated_observers()
+    v1.clear_effective_evidence_requests()
     yield telemetry
     kvobs_otel.uninstrument()
     v1.reset_kv_transfer_observers()
@@ -275,6 +377,8 @@ def mixed(draw: Any, chain: tuple[Any, ...], bad: st.SearchStrategy[Any]
 
 
 def feed(telemetry: Any, registry: dict[int, Any], batch: list[Any]) -> list[Any]:
+    """Hand every record straight to the registered observer, as a host
+    without validation would (the real v2 host never dispatches a bad one)."""
     telemetry.exporter.clear()
     telemetry.readers.clear()  # this example's pipeline only
     assert kvobs_otel.instrument(SETTINGS)
@@ -297,8 +401,12 @@ def assert_counted_and_joined(telemetry: Any, spans: list[Any], n_bad: int, scop
 
 
 def bad_request(records: tuple[Any, ...]) -> st.SearchStrategy[Any]:
-    return st.builds(lambda r, rid: dataclasses.replace(r, request_id=rid),
-                     st.sampled_from(records), BAD_REQUEST_ID)
+    def replace(r: Any, rid: Any) -> Any:
+        if isinstance(r, v2.CorrelatedObservation):
+            return v2_replace(r, request_id=rid)
+        return dataclasses.replace(r, request_id=rid)
+
+    return st.builds(replace, st.sampled_from(records), BAD_REQUEST_ID)
 
 
 V2_BAD = st.one_of(v2_one_bad().map(lambda c: c[0]), mutated(V2_CHAIN).filter(host_refuses_v2),

@@ -9,5 +9,6 @@ with them instead of patching the connector, so nothing is observed twice.
 - ``records``    validate one host record (never raises; a reason on refusal)
 - ``lifecycle``  host records -> the lifecycle records every host produces
 - ``adapter``    the live observers registered with the fork (serving path)
-- ``jsonl``      read the fork plugin's JSONL files (``kvobs-otel import-hust``)
+- ``plugin_records``  validate one line of the fork plugin's JSONL files
+- ``jsonl``      read those files into per-process streams (``kvobs-otel import-hust``)
 """

@@ -95,8 +95,8 @@ class Refused(Exception):
 
 
 def _plain(value: Any) -> Any:
-    # The fork's enums are ``str`` enums; Enum hashes by member name, so a
-    # member is not found in a set of value strings: compare by value.
+    # The fork's enums are ``str`` enums: a member equals its value but is
+    # not of type ``str``, which the exact type checks below insist on.
     return value.value if isinstance(value, Enum) else value
 
 
@@ -176,7 +176,30 @@ def _roster(value: Any) -> tuple[tuple[int, tuple[tuple[int, str], ...]], ...]:
     return tuple(out)
 
 
-def _v2(d: dict[str, Any]) -> dict[str, Any]:
+def _v2_object(record: Any) -> dict[str, Any]:
+    """The fields of a record object as the live host hands it over, with the
+    exact types the host's constructor insists on (correlated_observability.py
+    ``CorrelatedObservation.__post_init__``) and the JSON form cannot carry:
+    ``event`` is the fork's ``CorrelatedEvent`` (a plain str, or another
+    contract's enum, is refused); ``workers``/``roster`` are tuples (``()``
+    when absent, never None or a list) of ``WorkerReceipt``/``JobReceipt``;
+    ``compute_kind`` is compared by value, as the host does (it is a plain
+    str there); every other field is read as is (an enum member in
+    ``request_id`` or a generation is refused, as the host refuses it)."""
+    d = {n: getattr(record, n, None) for n in V2_FIELDS}
+    event = d["event"]
+    if not isinstance(event, Enum) or type(event).__name__ != "CorrelatedEvent":
+        raise Refused(UNKNOWN_EVENT)
+    d["event"] = event.value
+    d["compute_kind"] = _plain(d["compute_kind"])
+    for name, entry in (("workers", "WorkerReceipt"), ("roster", "JobReceipt")):
+        value = d[name]
+        if type(value) is not tuple or any(type(e).__name__ != entry for e in value):
+            raise Refused(BAD_ROSTER)
+    return d
+
+
+def _v2(d: dict[str, Any], *, exact: bool = False) -> dict[str, Any]:
     event = d["event"]
     if type(event) is not str or event not in V2_SHAPES:
         raise Refused(UNKNOWN_EVENT)
@@ -184,7 +207,9 @@ def _v2(d: dict[str, Any]) -> dict[str, Any]:
     d["request_id"] = request_id(d["request_id"])
     d["recovery_epoch"] = uint(d["recovery_epoch"], 1, MAX_ID)
     d["observed_at_ns"] = uint(d["observed_at_ns"], 0, MAX_ID)
-    for name in V2_OPTIONAL:
+    # Absent is None, or empty; in a record object only the tuple fields are
+    # absent when empty (the host refuses an empty value elsewhere).
+    for name in ("workers", "roster") if exact else V2_OPTIONAL:
         if d[name] in ((), []):
             d[name] = None
     present = {n for n in V2_OPTIONAL if d[n] is not None}
@@ -212,7 +237,9 @@ def _v2(d: dict[str, Any]) -> dict[str, Any]:
 def check_v2(record: Any) -> tuple[dict[str, Any] | None, str | None]:
     """(fields, None) for a valid contract v2 record, else (None, reason)."""
     try:
-        return _v2(_fields(record, V2_FIELDS)), None
+        if isinstance(record, Mapping):  # the plugin's JSON object
+            return _v2(_fields(record, V2_FIELDS)), None
+        return _v2(_v2_object(record), exact=True), None
     except Refused as r:
         return None, r.reason
     except Exception:  # anything else odd about the object: still only a count

@@ -9,7 +9,7 @@ Modules:
 - ``correlated_observability`` contract v2 (``vllm.kv-transfer.observer.v2``, API "2.0"),
                                the fork's correlated_observability.py @ 65cc5678b0d5
 - ``chains``                   canonical and deliberately broken event sequences
-- ``jsonl``                    the fork plugin's three JSONL file schemas (layout assumed)
+- ``jsonl``                    the plugin's mapping, backwards: the host records behind its lines
 
 The real modules live in the fork at
 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading/{observability,

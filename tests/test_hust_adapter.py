@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from enum import Enum
 from types import ModuleType
+from typing import Any
 
 import pytest
 from vllm_hust_contract import chains
@@ -63,6 +64,21 @@ def fork(monkeypatch: pytest.MonkeyPatch, telemetry) -> Iterator:
     kvobs_otel.uninstrument()
     v1.reset_kv_transfer_observers()
     v2.reset_correlated_observers()
+
+
+def export_to_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Any:
+    """Spans of every process (forked ones too) to one OTLP JSON file; no
+    in-memory override, no registered observers."""
+    from kvobs_otel.telemetry.providers import set_export_overrides
+
+    set_export_overrides(None, None)
+    out = tmp_path / "spans.jsonl"
+    for k, val in {"KVOBS_OTEL_TRACES_FILE": str(out), "OTEL_TRACES_EXPORTER": "none",
+                   "OTEL_METRICS_EXPORTER": "none"}.items():
+        monkeypatch.setenv(k, val)
+    v1.reset_kv_transfer_observers()
+    v2.reset_correlated_observers()
+    return out
 
 
 def emit(chain: chains.Chain) -> None:
@@ -347,15 +363,7 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
     import os
 
     from kvobs_otel.otlp_file import read_spans
-    from kvobs_otel.telemetry.providers import set_export_overrides
-
-    set_export_overrides(None, None)
-    out = tmp_path / "spans.jsonl"
-    for k, v in {"KVOBS_OTEL_TRACES_FILE": str(out), "OTEL_TRACES_EXPORTER": "none",
-                 "OTEL_METRICS_EXPORTER": "none"}.items():
-        monkeypatch.setenv(k, v)
-    v1.reset_kv_transfer_observers()
-    v2.reset_correlated_observers()
+    out = export_to_file(monkeypatch, tmp_path)
     install(monkeypatch)
     epoch1 = [e for e in chains.recovery_chain() if e.record.recovery_epoch == 1]
     in_child = [e for e in epoch1 if e.process.rank == 1]
@@ -519,15 +527,7 @@ def test_a_v1_host_without_fork_reset_hands_the_child_a_dead_observer(monkeypatc
 
     from kvobs_otel import pipeline as pipeline_module
     from kvobs_otel.otlp_file import read_spans
-    from kvobs_otel.telemetry.providers import set_export_overrides
-
-    set_export_overrides(None, None)
-    out = tmp_path / "spans.jsonl"
-    for k, val in {"KVOBS_OTEL_TRACES_FILE": str(out), "OTEL_TRACES_EXPORTER": "none",
-                   "OTEL_METRICS_EXPORTER": "none"}.items():
-        monkeypatch.setenv(k, val)
-    v1.reset_kv_transfer_observers()
-    v2.reset_correlated_observers()
+    out = export_to_file(monkeypatch, tmp_path)
     install(monkeypatch, v1_module=v1, v2_module=None)
     epoch1 = [e for e in chains.v1_recovery_chain() if e.record.event not in (
         KVTransferEvent.RECOVERY_ADMITTED, KVTransferEvent.FIRST_COMPUTE)

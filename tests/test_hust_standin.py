@@ -690,8 +690,8 @@ def test_v2_chain_follows_the_hosts_order() -> None:
     # monotonic per process, and the processes' clocks are unrelated
     last: dict[str, int] = {}
     for e in chain:
-        assert e.record.observed_at_ns > last.get(e.process.start_id, -1)
-        last[e.process.start_id] = e.record.observed_at_ns
+        assert e.record.observed_at_ns > last.get(e.process.generation, -1)
+        last[e.process.generation] = e.record.observed_at_ns
         if e.process.role == "worker":
             assert e.record.worker_generation == e.process.generation
             assert e.record.rank == e.process.rank

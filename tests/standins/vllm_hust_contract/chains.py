@@ -3,7 +3,7 @@ canonical event sequences, as the fork's host emits them, for tests of an adapte
 
 A chain is a tuple of ``Emission(process, record)`` in one plausible global
 delivery order; ``process`` says which process emitted the record (scheduler,
-or the worker of one rank) and carries its pid and start id. Records are
+or the worker of one rank) and carries its generation. Records are
 built with the stand-in's classes (``CorrelatedObservation`` with
 ``WorkerReceipt``/``JobReceipt``; ``KVTransferObservation`` with the enum
 members and ``KVRegionDescriptor``), with the values the host's call sites
@@ -39,7 +39,7 @@ Facts the chains rely on (fork.md §4), with the fork file and commit:
 - gpu_worker.py @ 115e5f6b0d2c: descriptors' region id is the tensor index and offsets
   are relative to the tensor's ``data_ptr()``; at most ``MAX_DESCRIPTOR_REGIONS``.
 
-Stand-in decisions (the facts do not say): the ids, generations, pids, block counts,
+Stand-in decisions (the facts do not say): the ids, generations, block counts,
 sizes and clock bases; job 7 (epoch 1) and job 12 (epoch 2), the jobs in between
 being stores and other requests' loads not shown; one descriptor per block (region 0
 to region 0, 64 KiB); ranks' records interleaved as in the fork's test (rank 0's
@@ -52,7 +52,7 @@ a submit, v1 first elsewhere) is not modelled, as an adapter registers with one.
 - ``dropped_stage()``        the canonical chain minus one emission.
 - ``duplicated_stage()``     one emission delivered twice (identical record).
 - ``restarted_worker_chain()`` rank 1's worker process restarts between the
-  epochs: new pid, new start id, new worker generation, clock starts again.
+  epochs: a new worker generation, its clock starts again.
 - ``over_cap_admission()``   a recovery_admitted whose roster exceeds
   MAX_CORRELATED_ROSTER (``unchecked``: the host refuses it), and
   ``at_cap_admission()`` exactly at it (valid).
@@ -109,9 +109,7 @@ class Process:
 
     role: str
     rank: int | None
-    pid: int
-    start_id: str  # 32 hex, unique per process lifetime (pids are reused)
-    generation: str  # scheduler or worker generation
+    generation: str  # scheduler or worker generation: one per process here
 
 
 @dataclass(frozen=True)
@@ -122,20 +120,18 @@ class Emission:
 
 Chain = tuple[Emission, ...]
 
-SCHEDULER = Process("scheduler", None, 4100, "9d0c6f0e1b7a4a3c8e2f5d6b7a8c9d01",
-                    SCHEDULER_GENERATION)
+SCHEDULER = Process("scheduler", None, SCHEDULER_GENERATION)
 WORKERS = {
-    0: Process("worker", 0, 4201, "3e1f00aa42b84c6d9e7f1a2b3c4d5e60", WORKER_GENERATIONS[0]),
-    1: Process("worker", 1, 4202, "3e1f00aa42b84c6d9e7f1a2b3c4d5e61", WORKER_GENERATIONS[1]),
+    0: Process("worker", 0, WORKER_GENERATIONS[0]),
+    1: Process("worker", 1, WORKER_GENERATIONS[1]),
 }
-RESTARTED_WORKER_1 = Process("worker", 1, 4377, "77aa00bb11cc22dd33ee44ff55006601",
-                             RESTARTED_WORKER_GENERATION)
+RESTARTED_WORKER_1 = Process("worker", 1, RESTARTED_WORKER_GENERATION)
 
 # per-process clock bases (ns); unrelated to one another on purpose
-_CLOCK_BASE = {SCHEDULER.start_id: 1_000_000_000_000,
-               WORKERS[0].start_id: 52_000_000_000,
-               WORKERS[1].start_id: 987_000_000_000,
-               RESTARTED_WORKER_1.start_id: 3_000_000_000}
+_CLOCK_BASE = {SCHEDULER.generation: 1_000_000_000_000,
+               WORKERS[0].generation: 52_000_000_000,
+               WORKERS[1].generation: 987_000_000_000,
+               RESTARTED_WORKER_1.generation: 3_000_000_000}
 
 
 class _Clocks:
@@ -145,8 +141,8 @@ class _Clocks:
         self.now: dict[str, int] = {}
 
     def tick(self, process: Process, step_ns: int = 1_500_000) -> int:
-        t = self.now.get(process.start_id, _CLOCK_BASE.get(process.start_id, 10**9)) + step_ns
-        self.now[process.start_id] = t
+        t = self.now.get(process.generation, _CLOCK_BASE.get(process.generation, 10**9)) + step_ns
+        self.now[process.generation] = t
         return t
 
 

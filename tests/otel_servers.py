@@ -93,13 +93,22 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 def poll(fn, timeout: float = 30.0, interval: float = 0.3):
-    """Call ``fn`` until it returns something truthy or ``timeout`` passes."""
+    """Call ``fn`` until it returns something truthy or ``timeout`` passes;
+    its last value (the caller asserts on it)."""
     deadline = time.monotonic() + timeout
     while True:
         value = fn()
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def wait_for(fn, what: str, timeout: float = 30.0, interval: float = 0.3):
+    """``poll``, failing the test when ``fn`` never becomes truthy: a wait
+    whose condition never comes is a failure, not a silent pass."""
+    value = poll(fn, timeout, interval)
+    assert value, f"timed out after {timeout:g} s waiting for {what}"
+    return value
 
 
 def get_json(url: str) -> dict:

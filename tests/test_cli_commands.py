@@ -65,17 +65,20 @@ def test_withheld_rank_demo_is_reported_incomplete(withheld_demo):
     assert table.returncode == 1 and "receipt_incomplete" in table.stdout
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"resourceSpans": 7}', ""])
+@pytest.mark.parametrize("content", ["{not json", '{"resourceSpans": 7}'])
 def test_check_rejects_unusable_input_with_exit_2(tmp_path, content):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
     res = kvobs("check", str(bad))
-    if content == "":
-        # An empty file is valid input holding no episodes.
-        assert res.returncode == 0 and "0 recovery episodes" in res.stdout
-        return
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_check_of_an_empty_file_finds_no_episodes_exit_0(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("")  # an exporter that never wrote a batch: valid, nothing in it
+    res = kvobs("check", str(empty))
+    assert res.returncode == 0 and "0 recovery episodes" in res.stdout
 
 
 def test_check_missing_file_and_unreachable_jaeger_exit_2(tmp_path):

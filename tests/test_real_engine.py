@@ -24,7 +24,7 @@ import pytest
 from kvobs_otel.harness.server import EngineServer, ServeConfig, engine_available, sum_samples
 
 from conftest import run_cli
-from otel_servers import free_port, http_get, poll, start_collector
+from otel_servers import free_port, http_get, poll, start_collector, wait_for
 from stack import DEPLOY, tag
 
 SKIP = engine_available()
@@ -254,7 +254,8 @@ def test_a_stopped_collector_costs_no_request_and_its_drops_are_counted(stack, m
         client = threading.Thread(target=lambda: box.update(r=load(server, salt="down")))
         client.start()
         # Stop the Collector once vLLM is under pressure (spans are flowing).
-        poll(lambda: server.metric("vllm:num_preemptions_total") > 0, timeout=60, interval=0.2)
+        wait_for(lambda: server.metric("vllm:num_preemptions_total") > 0,
+                 "a preemption before the Collector is stopped", timeout=60, interval=0.2)
         col.stop()
         client.join(300)
         result = box["r"]

@@ -28,7 +28,7 @@ from kvobs_otel.harness.workload import pressure_workload
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry import export
 
-from otel_servers import free_port, poll, start_collector
+from otel_servers import free_port, start_collector, wait_for
 from otlp_receiver import HttpReceiver
 
 pytestmark = pytest.mark.vllm
@@ -212,21 +212,22 @@ def test_collector_killed_and_restarted_mid_run(monkeypatch, stats, tmp_path):
             with Harness(HarnessConfig(num_ranks=2)) as h:
                 run_workload(h, "before", 4)
                 current_pipeline().flush()
-                poll(lambda: stats.snapshot()[0] > 0 and len(received_ids(rx))
-                     == stats.snapshot()[0], timeout=30)
+                wait_for(lambda: stats.snapshot()[0] > 0 and len(received_ids(rx))
+                         == stats.snapshot()[0], "the first spans at the Collector")
                 col.proc.kill()  # a crash, not a clean stop
                 col.proc.wait(10)
                 run_workload(h, "down", 4)
                 current_pipeline().flush()
-                poll(lambda: stats.snapshot()[1]["export_failed"] > 0, timeout=30)
+                wait_for(lambda: stats.snapshot()[1]["export_failed"] > 0,
+                         "a failed export while the Collector is down")
                 col = collector(tmp_path, port, rx.endpoint)
                 run_workload(h, "after", 4)
             kvobs_otel.uninstrument()
             sent, dropped, _ = stats.snapshot()
-            poll(lambda: len(received_ids(rx)) >= sent, timeout=30)
+            wait_for(lambda: len(received_ids(rx)) >= sent, "every delivered span")
             # The loss reached the Collector once it was back.
-            poll(lambda: latest_total(rx, "kvobs.observer.dropped", reason="export_failed")
-                 == dropped["export_failed"], timeout=30)
+            wait_for(lambda: latest_total(rx, "kvobs.observer.dropped", reason="export_failed")
+                     == dropped["export_failed"], "the loss reported through the Collector")
         finally:
             kvobs_otel.uninstrument()
             col.stop()
@@ -260,9 +261,10 @@ def test_rank_processes_flush_on_sigterm_sent_equals_received(
                 codes = [r.process.exitcode for r in h.ranks]
             kvobs_otel.uninstrument()
             # Each process reports what it delivered; the Collector passes it on.
-            poll(lambda: len({i for i, _ in metric_values(rx, "kvobs.observer.exported")}) == 3
-                 and latest_total(rx, "kvobs.observer.exported", signal="spans")
-                 == len(received_ids(rx)) > 0, timeout=30)
+            wait_for(lambda: len({i for i, _ in metric_values(rx, "kvobs.observer.exported")})
+                     == 3 and latest_total(rx, "kvobs.observer.exported", signal="spans")
+                     == len(received_ids(rx)) > 0,
+                     "spans sent (the three processes' counts) == spans received")
         finally:
             kvobs_otel.uninstrument()
             col.stop()

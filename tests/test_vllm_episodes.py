@@ -60,8 +60,10 @@ def test_every_recovery_is_one_complete_trace_across_two_ranks(
 
 def test_preserve_flush_transfers_belong_to_the_episode(observe):
     run(HarnessConfig(num_ranks=2))
+    checked = 0
     for root, trace in episodes(observe.spans()):
         preserved = set(root.attrs.get("kvobs.preserve.job_ids", ()))
+        checked += len(preserved)
         flushed = [s for s in trace if s.name == "kv.transfer" and s.attrs["kvobs.job.id"]
                    in preserved]
         # A preserve job is a store: only the writer ranks copy (all, here).
@@ -69,6 +71,8 @@ def test_preserve_flush_transfers_belong_to_the_episode(observe):
         for job_id in preserved:
             job = [s for s in trace if s.name == "kv.job" and s.attrs["kvobs.job.id"] == job_id]
             assert job and job[0].attrs["kvobs.job.role"] == "preserve"
+        assert len(flushed) >= len(preserved) * 2  # both ranks copied every preserve job
+    assert checked, "the workload must preserve blocks of a preempted request"
 
 
 def test_ordinary_stores_form_per_request_traces(observe):

@@ -139,13 +139,33 @@ def test_vllm_reads_its_own_metadata_unchanged_when_transfers_fail(observe, scen
 
 
 def test_plugin_default_off_imports_no_sdk_and_patches_nothing():
-    code = (
-        "import sys, vllm.plugins as p; p.load_general_plugins();"
-        "import kvobs_otel;"
-        "assert not kvobs_otel.is_instrumented();"
-        "assert 'kvobs_otel.pipeline' not in sys.modules;"
-        "assert 'kvobs_otel.telemetry.providers' not in sys.modules;"
-        "print('ok')")
+    from kvobs_otel.hosts.vllm import releases
+
+    classes = [releases.CONNECTOR, releases.BASE_CONNECTOR, releases.CONNECTOR_WORKER,
+               releases.SCHEDULER]
+    code = "\n".join([
+        "import importlib, sys",
+        "def members():",
+        "    out = {}",
+        f"    for path in {classes!r}:",
+        "        mod, _, name = path.partition(':')",
+        "        cls = getattr(importlib.import_module(mod), name)",
+        "        out.update({(path, k): v for k, v in vars(cls).items()})",
+        "    return out",
+        "before = members()",
+        "import vllm.plugins as p; p.load_general_plugins()",
+        "import kvobs_otel",
+        "assert 'kvobs_otel' in sys.modules  # the plugin was loaded",
+        "assert not kvobs_otel.is_instrumented()",
+        "sdk = sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk'))",
+        "assert not sdk, sdk",
+        "assert 'kvobs_otel.pipeline' not in sys.modules",
+        "assert 'kvobs_otel.telemetry.providers' not in sys.modules",
+        "after = members()",
+        "changed = sorted(str(k) for k in before.keys() | after.keys()",
+        "                 if before.get(k) is not after.get(k))",
+        "assert not changed, changed  # every vLLM class member is the same object",
+        "print('ok')"])
     env = {"PATH": "/usr/bin:/bin", "VLLM_LOGGING_LEVEL": "ERROR"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=300)

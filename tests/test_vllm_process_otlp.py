@@ -6,7 +6,6 @@ identity on its resource."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -16,17 +15,12 @@ from kvobs_otel.harness.workload import pressure_workload
 from kvobs_otel.plugin import register
 
 from chains import assert_recovered_chain, episodes
+from otel_servers import wait_for
 from otlp_receiver import GrpcReceiver, HttpReceiver
 
 pytestmark = pytest.mark.vllm
 
 
-def _wait_for(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize(("start_method", "protocol"),
@@ -57,7 +51,8 @@ def test_rank_processes_export_recovery_chain_over_otlp(monkeypatch, start_metho
         finally:
             kvobs_otel.uninstrument()
 
-        _wait_for(lambda: {"kvobs.transfers", "kvobs.jobs"} <= rx.store.metric_names())
+        wait_for(lambda: {"kvobs.transfers", "kvobs.jobs"} <= rx.store.metric_names(),
+                 "the ranks' metrics at the receiver", timeout=15, interval=0.1)
         spans = list(rx.store.spans)
 
     roles = {(s.resource.get("kvobs.role"), s.resource.get("kvobs.rank"),

@@ -117,9 +117,14 @@ def test_flush_and_shutdown_are_bounded_when_the_exporter_hangs():
     t0 = time.monotonic()
     assert p.force_flush(300) is False
     p.shutdown()
-    assert time.monotonic() - t0 < 3
+    # A bound is the behaviour under test: generous slack over the 0.5 s
+    # export timeout, far below "hangs forever".
+    assert time.monotonic() - t0 < 20
     _, dropped, _ = export.STATS.snapshot()
-    assert dropped["export_shutdown"] == 40 - 16  # all but the batch in flight
+    # Every queued span is dropped and counted; only a batch already handed to
+    # the hung exporter (at most one, 16 spans) may be outside the count,
+    # depending on whether the export thread took it before shutdown.
+    assert 40 - 16 <= dropped["export_shutdown"] <= 40
     gate.set()
 
 

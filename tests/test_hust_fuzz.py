@@ -57,6 +57,36 @@ LIVE = settings(max_examples=15, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 SETTINGS = Settings(enabled=True, drain_interval_s=0.02)
 
+# The contracts' rules, written out here from the fork's source (docs/hosts.md,
+# "Facts ..."), not read from the code under test, so that a drift between the
+# two fails: correlated_observability.py and observability.py @ 65cc5678b0d5.
+UINT32 = 2**32 - 1
+INT64 = 2**63 - 1  # ids above it: valid for the host, not an OTel int (our documented bound)
+MAX_ROSTER = v2.MAX_CORRELATED_ROSTER
+COMPUTE_KINDS = {"prefill", "decode"}
+OPERATIONS = {"d2h_preserve", "h2d_restore"}
+V2_SHAPE = {
+    "recovery_requeued": set(),
+    "restore_submitted": {"job_id", "rank", "worker_generation", "block_count"},
+    "restore_completed": {"job_id", "rank", "worker_generation"},
+    "transfer_receipt": {"job_id", "workers"},
+    "recovery_admitted": {"roster"},
+    "first_compute": {"rank", "worker_generation", "roster", "compute_kind"},
+}
+# What each v1 emit function always fills in (compute_kind may be None).
+V1_FILLED = {
+    "transfer_submitted": ("operation", "job_id", "rank", "request_id"),
+    "transfer_completed": ("operation", "job_id", "rank", "success"),
+    "transfer_cancelled": ("operation", "job_id", "rank", "reason"),
+    "transfer_receipt": ("job_id", "ranks"),
+    "recovery_requeued": ("request_id", "recovery_epoch"),
+    "recovery_admitted": ("request_id", "recovery_epoch", "job_ids"),
+    "transfer_descriptors": ("job_id",),
+    "first_compute": ("rank", "request_id", "recovery_epoch"),
+}
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(v2.CorrelatedObservation)) + tuple(
+    f.name for f in dataclasses.fields(v1.KVTransferObservation))
+
 V2_CHAIN = tuple(e.record for e in chains.recovery_chain())
 V1_CHAIN = tuple(e.record for e in chains.v1_recovery_chain())
 V1_RECORDS = (*V1_CHAIN, chains.v1_shutdown_cancel().record)
@@ -64,9 +94,9 @@ GEN = chains.WORKER_GENERATIONS[0]
 W0, W1 = WorkerReceipt(0, GEN), WorkerReceipt(1, chains.WORKER_GENERATIONS[1])
 WORKERS = (W0, W1)
 ROSTER = (JobReceipt(7, WORKERS),)
-OVER = R.MAX_ROSTER + 1
+OVER = MAX_ROSTER + 1
 WORKERS_OVER = (tuple(WorkerReceipt(r, GEN) for r in range(OVER)), (W0,) * OVER)
-_HALF = tuple(WorkerReceipt(r, GEN) for r in range(R.MAX_ROSTER // 2 + 1))
+_HALF = tuple(WorkerReceipt(r, GEN) for r in range(MAX_ROSTER // 2 + 1))
 ROSTER_OVER = (tuple(JobReceipt(j, (W0,)) for j in range(OVER)), (ROSTER[0],) * OVER,
                (JobReceipt(7, _HALF), JobReceipt(8, _HALF)))  # 4098 workers in all
 DESCRIPTORS_OVER = (KVRegionDescriptor(0, 1, 0, 0, 65536),) * OVER
@@ -128,12 +158,12 @@ BAD_ROSTER = st.one_of(
     st.just(({"job_id": 7, "workers": WORKERS},)), st.just(WORKERS),
     st.just((ROSTER[0], ROSTER[0])),
     DESCENDING.map(lambda p: tuple(JobReceipt(j, WORKERS) for j in p)))
-V2_INTS = {"recovery_epoch": (1, R.MAX_ID), "observed_at_ns": (0, R.MAX_ID),
-           "job_id": (0, R.MAX_ID), "rank": (0, R.UINT32), "block_count": (1, R.UINT32)}
-V1_INTS = {"observed_at_ns": (0, R.MAX_ID), "job_id": (0, R.MAX_ID), "rank": (0, R.UINT32),
-           "recovery_epoch": (1, R.MAX_ID), "block_count": (0, R.UINT32),
-           "bytes_moved": (0, R.MAX_ID), "duration_ns": (0, R.MAX_ID),
-           "dropped_descriptors": (0, R.MAX_ID)}
+V2_INTS = {"recovery_epoch": (1, INT64), "observed_at_ns": (0, INT64),
+           "job_id": (0, INT64), "rank": (0, UINT32), "block_count": (1, UINT32)}
+V1_INTS = {"observed_at_ns": (0, INT64), "job_id": (0, INT64), "rank": (0, UINT32),
+           "recovery_epoch": (1, INT64), "block_count": (0, UINT32),
+           "bytes_moved": (0, INT64), "duration_ns": (0, INT64),
+           "dropped_descriptors": (0, INT64)}
 # one valid value for every v2 optional field
 V2_VALID = {"job_id": 7, "rank": 1, "worker_generation": GEN, "block_count": 16,
             "workers": WORKERS, "roster": ROSTER, "compute_kind": "decode"}
@@ -153,7 +183,7 @@ def v2_replace(record: Any, **changes: Any) -> Any:
 def v2_one_bad(draw: Any) -> tuple[Any, str]:
     """A canonical v2 record with ONE field made invalid, and the reason it must get."""
     rec = draw(st.sampled_from(V2_CHAIN))
-    shape = R.V2_SHAPES[rec.event.value]
+    shape = V2_SHAPE[rec.event.value]
     cases = [(n, bad_int(*V2_INTS[n]), R.BAD_NUMBER)
              for n in ("recovery_epoch", "observed_at_ns")]
     cases += [(n, bad_int(*V2_INTS[n]), R.BAD_NUMBER) for n in shape if n in V2_INTS]
@@ -164,7 +194,7 @@ def v2_one_bad(draw: Any) -> tuple[Any, str]:
     if "worker_generation" in shape:
         cases.append(("worker_generation", BAD_GEN, R.BAD_GENERATION))
     if "compute_kind" in shape:
-        cases.append(("compute_kind", bad_enum(R.COMPUTE_KINDS), R.BAD_ENUM))
+        cases.append(("compute_kind", bad_enum(COMPUTE_KINDS), R.BAD_ENUM))
     if "workers" in shape:
         cases += [("workers", BAD_WORKERS, R.BAD_ROSTER),
                   ("workers", st.sampled_from(WORKERS_OVER), R.ROSTER_OVER_CAP)]
@@ -189,14 +219,14 @@ def v1_one_bad(draw: Any) -> tuple[Any, str]:
     rec = draw(st.sampled_from(V1_RECORDS))
     event = plain(rec.event)
     ints = [(n, bad_int(*b), R.BAD_NUMBER) for n, b in V1_INTS.items()]
-    needed = [(n, st.none(), R.MISSING_FIELD) for n in R.V1_REQUIRED[event]
+    needed = [(n, st.none(), R.MISSING_FIELD) for n in V1_FILLED[event]
               if n not in ("ranks", "job_ids")]  # v1 defaults them to ()
     enums = [(n, bad_enum(allowed), R.BAD_ENUM) for n, allowed in (
-        ("operation", R.OPERATIONS), ("compute_kind", R.COMPUTE_KINDS),
+        ("operation", OPERATIONS), ("compute_kind", COMPUTE_KINDS),
         ("reason", {"host_shutdown"}), ("requeue_reason", {"unclassified"}))]
     name, value, reason = _pick(
         draw, *ints, *needed, *enums,
-        ("event", bad_enum(set(R.V1_REQUIRED)), R.UNKNOWN_EVENT),
+        ("event", bad_enum(set(V1_FILLED)), R.UNKNOWN_EVENT),
         ("request_id", BAD_REQUEST_ID, R.BAD_REQUEST_ID),
         ("success", NON_INT.filter(lambda s: not isinstance(s, bool)), R.BAD_NUMBER),
         ("ranks", DESCENDING.map(tuple), R.BAD_ROSTER),
@@ -246,7 +276,7 @@ class Hostile:
 ANYTHING = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text()
                         | st.binary(), lambda c: st.lists(c, max_size=3) | st.tuples(c, c)
                         | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=8)
-FIELDISH = st.dictionaries(st.sampled_from(R.V2_FIELDS + R.V1_FIELDS) | st.text(max_size=8),
+FIELDISH = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=8),
                            ANYTHING, max_size=8)
 JUNK_RECORDS = st.one_of(
     ANYTHING, FIELDISH, FIELDISH.map(lambda d: SimpleNamespace(**d)),
@@ -258,7 +288,7 @@ def claims_known_event(record: Any) -> bool:
     """Junk is only guaranteed junk if it does not name a known event."""
     event = record.get("event") if isinstance(record, dict) else vars(record).get("event") \
         if isinstance(record, SimpleNamespace) else None
-    return isinstance(event, str) and event in (R.V1_REQUIRED.keys() | R.V2_SHAPES.keys())
+    return isinstance(event, str) and event in (V1_FILLED.keys() | V2_SHAPE.keys())
 
 
 def host_refuses_v2(record: Any) -> bool:

@@ -3,6 +3,7 @@ the observer's own failures, full buffer or bad settings never reach vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -50,6 +51,31 @@ def vllm_view(meta: object) -> tuple:
     return tuple(out)
 
 
+def plain(value: object, depth: int = 0) -> object:
+    """A comparable copy of anything in a SchedulerOutput: dataclasses and
+    objects by their fields, mappings and sets sorted."""
+    if depth > 8:
+        return type(value).__name__
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, dict):
+        return tuple(sorted(((plain(k, depth + 1), plain(v, depth + 1))
+                             for k, v in value.items()), key=repr))
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted((plain(v, depth + 1) for v in value), key=repr))
+    if isinstance(value, (list, tuple)):
+        return tuple(plain(v, depth + 1) for v in value)
+    if hasattr(value, "tolist"):  # tensors, arrays
+        return plain(value.tolist(), depth + 1)
+    names = [f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) \
+        else list(getattr(value, "__struct_fields__", ())) or list(vars(value)) \
+        if hasattr(value, "__dict__") or hasattr(value, "__struct_fields__") else None
+    if names is None:
+        return repr(value)
+    return (type(value).__name__,
+            tuple((n, plain(getattr(value, n, None), depth + 1)) for n in names))
+
+
 def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[tuple]:
     """Every step's SchedulerOutput, reduced to what the scheduler decided,
     then what vLLM's scheduler-side connector read from the workers each step
@@ -77,10 +103,10 @@ def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[t
                 continue
             meta = so.kv_connector_metadata
             out.append((
-                sorted((r.req_id, tuple(r.block_ids[0])) for r in so.scheduled_new_reqs),
-                sorted(so.num_scheduled_tokens.items()),
-                sorted(so.preempted_req_ids or ()),
-                sorted(so.finished_req_ids),
+                # The whole SchedulerOutput but the connector's metadata, whose
+                # vLLM fields follow (kvobs-otel extends it when observing).
+                plain({f.name: getattr(so, f.name) for f in dataclasses.fields(so)
+                       if f.name != "kv_connector_metadata"}),
                 sorted(RELEASE.load_row(j, x) for j, x in meta.load_jobs.items()),
                 sorted((j, x.req_id) for j, x in meta.store_jobs.items()),
                 sorted(meta.jobs_to_flush or ()),
@@ -109,6 +135,26 @@ def test_enabled_changes_no_scheduling_decision(stock, observe):
     assert decisions(EXPLICIT) == stock
     current_pipeline().flush()
     assert observe.spans("kv.recovery")
+
+
+# The other model runners and async scheduling this vLLM has (the default
+# run above: the first runner, sync scheduling).
+OTHER_RUNS = [dict(model_runner=r, async_scheduling=a) for r in RELEASE.runners
+              for a in (False, True)][1:]
+
+
+@pytest.mark.parametrize("run", OTHER_RUNS, ids=lambda r: f"{r['model_runner']}-"
+                         f"{'async' if r['async_scheduling'] else 'sync'}")
+def test_enabled_changes_no_scheduling_decision_on_every_runner(telemetry, run):
+    stock_run = decisions(**run)
+    assert kvobs_otel.instrument(Settings(enabled=True, receipt_deadline_s=1.0,
+                                          drain_interval_s=0.02))
+    try:
+        assert decisions(EXPLICIT, **run) == stock_run
+        current_pipeline().flush()
+        assert telemetry.spans("kv.recovery")
+    finally:
+        kvobs_otel.uninstrument()
 
 
 # vLLM 0.34 reports failed transfers; its scheduler then acts on failed_jobs

@@ -1,7 +1,8 @@
-"""The privacy boundary, scanned: no raw address, tensor content, token id or
-block hash in any attribute of any span, event, link, resource or metric the
-real-vLLM CPU harness produces; request ids replaced by a keyed hash when
-configured; bad keys refused at start-up."""
+"""The privacy boundary, scanned: no raw address, tensor content, token id,
+block id or block hash in any attribute of any span, event, link, resource or
+metric the real-vLLM CPU harness produces (every id list is checked against
+the job ids and ranks recorded from vLLM as it ran); request ids replaced by
+a keyed hash when configured; bad keys refused at start-up."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ ALLOWED_KEYS = {
     "kvobs.preserve.job_ids", "kvobs.restore.job_ids", "kvobs.admission.roster",
     "kvobs.compute.kind", "kvobs.first_compute.ranks", "kvobs.first_compute.missing_ranks",
     "kvobs.incomplete.job_ids", "kvobs.jobs", "kvobs.requeue.reason", "kvobs.link",
-    "kvobs.join.scope", "error.type",
+    "kvobs.join.scope", "error.type", "kvobs.job.ids",
     # Receipts and failures (vLLM 0.34): ranks, job ids, chunk counts, seconds.
     "kvobs.receipt.failed_ranks", "kvobs.receipt.last_ranks", "kvobs.receipt.spread_s",
     "kvobs.host_tier.chunks", "kvobs.host_tier.dropped_chunks",
@@ -89,10 +90,44 @@ def everything(telemetry) -> tuple[list[tuple[str, Any]], list[tuple[str, list]]
     return scalars, lists
 
 
+# Ground truth recorded as vLLM runs: every block id list it allocated, and
+# every job id its connector handed to the copy engine.
+BLOCK_LISTS: list[tuple[int, ...]] = []
+JOB_IDS: set[int] = set()
+ID_LISTS = {  # list attributes: job ids or ranks, each checked against ground truth
+    "jobs": {"kvobs.preserve.job_ids", "kvobs.restore.job_ids", "kvobs.incomplete.job_ids",
+             "kvobs.job.ids",
+             "kvobs.restore.failed_job_ids", "kvobs.admission.roster"},
+    "ranks": {"kvobs.receipt.ranks", "kvobs.receipt.missing_ranks", "kvobs.receipt.last_ranks",
+              "kvobs.receipt.failed_ranks", "kvobs.first_compute.ranks",
+              "kvobs.first_compute.missing_ranks", "kvobs.restore.failed_ranks"},
+}
+
+
 def run_recovery(telemetry, prompts: dict[str, list[int]]) -> tuple[set[int], set[bytes]]:
     """Recovery + ordinary traffic on 2 inline ranks; returns the cache
-    tensors' addresses and every block hash vLLM computed."""
+    tensors' addresses and every block hash vLLM computed (and records the
+    block ids and job ids, above)."""
+    from kvobs_otel.harness import cpu_backend
+
     hashes: set[bytes] = set()
+    BLOCK_LISTS.clear()
+    JOB_IDS.clear()
+    submit = cpu_backend.HarnessCPUOffloadingWorker._submit
+
+    def spy(self, job_id, *args, **kwargs):
+        JOB_IDS.add(job_id)
+        return submit(self, job_id, *args, **kwargs)
+
+    cpu_backend.HarnessCPUOffloadingWorker._submit = spy
+    try:
+        return _run_recovery(prompts, hashes)
+    finally:
+        cpu_backend.HarnessCPUOffloadingWorker._submit = submit
+
+
+def _run_recovery(prompts: dict[str, list[int]], hashes: set[bytes]
+                  ) -> tuple[set[int], set[bytes]]:
     with Harness(HarnessConfig(num_ranks=2)) as h:
         pointers = {t.data_ptr() for r in range(2) for t in h.runner(r).kv_caches.values()}
         pointers |= {t.untyped_storage().data_ptr() for r in range(2)
@@ -104,6 +139,9 @@ def run_recovery(telemetry, prompts: dict[str, list[int]]) -> tuple[set[int], se
         while h.has_work():
             for r in h.scheduler.requests.values():
                 hashes.update(bytes(b) for b in r.block_hashes)
+                for group in h.scheduler.kv_cache_manager.get_block_ids(r.request_id):
+                    if len(group) >= 2:
+                        BLOCK_LISTS.append(tuple(group))
             h.step()
     current_pipeline().flush()
     assert hashes and pointers
@@ -144,9 +182,20 @@ def test_no_address_token_id_or_block_hash_leaves_the_process(observe):
             assert not any(h in text for h in hex_hashes), (key, value)
             assert not any(ptr in text for ptr in hex_pointers), (key, value)
             assert "0x" not in text, (key, value)
+    assert BLOCK_LISTS and JOB_IDS
+    block_texts = {", ".join(map(str, b)) for b in BLOCK_LISTS} | {
+        ",".join(map(str, b)) for b in BLOCK_LISTS}
+    for key, value in scalars:
+        if isinstance(value, str):
+            assert not any(b in value for b in block_texts), (key, value)  # no block id list
     for key, seq in lists:
-        # Id lists only: short ints, never a run of prompt tokens.
+        # Id lists only: short ints, never a run of prompt tokens...
         assert all(isinstance(x, int) and x not in tokens for x in seq), (key, seq[:8])
+        # ...and each a list of vLLM's job ids or of ranks, never of block ids.
+        if key in ID_LISTS["jobs"]:
+            assert set(seq) <= JOB_IDS, (key, seq[:8])
+        else:
+            assert key in ID_LISTS["ranks"] and set(seq) <= {0, 1}, (key, seq[:8])
 
 
 KEY = b"0123456789abcdef-test-key"

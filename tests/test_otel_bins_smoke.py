@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -229,15 +228,15 @@ def otel_bins() -> tuple[Path, Path]:
 
 
 def test_build_script_is_cached_and_prints_both_paths(otel_bins):
-    t0 = time.monotonic()
+    # Cached means nothing is built again: the binaries are the same files.
+    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in otel_bins]
     proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
                           timeout=300, stdin=subprocess.DEVNULL)
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines == [f"JAEGER={otel_bins[0]}", f"OTELCOL={otel_bins[1]}"], proc.stdout
-    assert elapsed < 60, f"second run of build.sh took {elapsed:.0f}s: not cached"
-    assert "up to date" in proc.stderr
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in otel_bins] == before
+    assert "up to date" in proc.stderr and "building" not in proc.stderr
     for p in otel_bins:
         assert p.is_absolute() and ROOT not in p.parents
     version = subprocess.run([str(otel_bins[1]), "--version"], capture_output=True,
@@ -325,7 +324,8 @@ def test_collector_tail_samples_into_jaeger_and_otlp_http(pipeline):
     found = poll(lambda: want <= jaeger_trace_ids(query, "smoke-col"))
     assert found, (jaeger_trace_ids(query, "smoke-col"), pipeline["collector"].log_tail())
     assert poll(lambda: want <= {s.trace_id for s in sink.store.spans})
-    time.sleep(1.5)  # more than decision_wait: the dropped trace was decided by now
+    # The dropped trace was sent first: its decision came no later than the
+    # kept ones', which have arrived (the fixture's order; no sleep needed).
     assert ids["dropped"] not in jaeger_trace_ids(query, "smoke-col")
     assert ids["dropped"] not in {s.trace_id for s in sink.store.spans}
 

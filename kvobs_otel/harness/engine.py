@@ -205,6 +205,9 @@ class Harness:
         self.steps: list[StepRecord] = []
         self.jobs: list[JobEvent] = []
         self.preemptions: list[tuple[int, str]] = []
+        # (request, n): scheduled again after its n-th preemption (vLLM's own
+        # scheduler output says so), in the order it happened.
+        self.resumed: list[tuple[str, int]] = []
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self.ranks: list[Any] = []
@@ -454,6 +457,11 @@ class Harness:
         jobs = self._jobs_of(so)
         if so.preempted_req_ids:
             self.preemptions.extend((self._step_index, r) for r in so.preempted_req_ids)
+        for req_id in so.num_scheduled_tokens:
+            req = self.scheduler.requests.get(req_id)
+            n = req.num_preemptions if req is not None else 0
+            if n and (req_id, n) not in self.resumed:
+                self.resumed.append((req_id, n))
         return so, jobs
 
     def _step_sync(self) -> StepRecord:

@@ -1,0 +1,82 @@
+"""Trace completeness judged against ground truth recorded from vLLM as it
+ran, not by the product's own checker (``kvobs_otel.analysis.episodes``).
+
+The truth comes from the harness's record of vLLM's own decisions: every
+preemption vLLM's scheduler made (``SchedulerOutput.preempted_req_ids``),
+every load job its connector created for a preempted request (the step
+metadata's ``load_jobs``, with the request's ``num_preemptions``), and every
+re-admission (the request scheduled again after its n-th preemption). The
+ranks are the harness's. The spans must hold exactly one recovery per
+preemption and, for each, every restore job with a full receipt, a restore
+transfer from every rank, and, when vLLM re-admitted the request, one
+admission and a first compute from every rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from chains import SpanView, by_trace
+
+
+@dataclass
+class Recovery:
+    request_id: str
+    epoch: int
+    restore_jobs: set[int] = field(default_factory=set)
+    resumed: bool = False
+
+
+def recoveries(h: Any) -> dict[tuple[str, int], Recovery]:
+    """(request, epoch) -> what vLLM did for that preemption."""
+    out: dict[tuple[str, int], Recovery] = {}
+    seen: Counter[str] = Counter()
+    for _step, req in h.preemptions:
+        seen[req] += 1
+        out[(req, seen[req])] = Recovery(req, seen[req])
+    for job in h.jobs:
+        if job.kind == "load" and job.num_preemptions > 0:
+            out[(job.req_id, job.num_preemptions)].restore_jobs.add(job.job_id)
+    for req, n in h.resumed:
+        out[(req, n)].resumed = True
+    return out
+
+
+def assert_traces_match_vllm(h: Any, spans: list[Any], request_id: Any = None) -> int:
+    """Assert the spans hold every recovery vLLM made, complete; returns how
+    many. ``request_id`` maps vLLM's request ids to the exported ones (a
+    keyed pseudonym)."""
+    exported = request_id or (lambda r: r)
+    truth = {(exported(r), n): rec for (r, n), rec in recoveries(h).items()}
+    ranks = set(range(h.config.num_ranks))
+    traces = by_trace(spans)
+    roots: dict[tuple[str, int], list[SpanView]] = {}
+    for trace in traces.values():
+        for s in trace:
+            if s.name == "kv.recovery":
+                key = (s.attrs["kvobs.request.id"], s.attrs["kvobs.recovery.epoch"])
+                assert key not in roots, f"two recovery traces for {key}"
+                roots[key] = trace
+    assert set(roots) == set(truth), (sorted(truth), sorted(roots))
+    for key, rec in truth.items():
+        trace = roots[key]
+        jobs = {s.attrs["kvobs.job.id"]: s for s in trace if s.name == "kv.job"}
+        for job_id in rec.restore_jobs:
+            job = jobs.get(job_id)
+            assert job is not None, f"{key}: vLLM's restore job {job_id} has no kv.job"
+            assert set(job.attrs["kvobs.receipt.ranks"]) == ranks, (key, job.attrs)
+            assert job.attrs["kvobs.outcome"] == "complete", (key, job.attrs)
+            moved = {s.attrs["kvobs.rank"] for s in trace if s.name == "kv.transfer"
+                     and s.attrs["kvobs.job.id"] == job_id
+                     and s.attrs["kvobs.outcome"] == "ok"}
+            assert moved == ranks, f"{key}: job {job_id} restored on ranks {sorted(moved)}"
+        admissions = [s for s in trace if s.name == "kv.admission"]
+        computed = Counter(s.attrs["kvobs.rank"] for s in trace if s.name == "kv.first_compute")
+        if rec.resumed:
+            assert len(admissions) == 1, f"{key}: {len(admissions)} admissions"
+            assert computed == Counter(ranks), f"{key}: first computes {dict(computed)}"
+        else:
+            assert not admissions and not computed, f"{key}: admitted, vLLM never resumed it"
+    return len(truth)

@@ -81,6 +81,18 @@ def export_to_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Any:
     return out
 
 
+def run_forked(child: Any) -> int:
+    """Run ``child`` in a forked process (as vLLM forks its workers); it must
+    exit 0. Returns its pid."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    return proc.pid
+
+
 def emit(chain: chains.Chain) -> None:
     chains.play(chain)  # the fork's emit functions, each record at its own time
 
@@ -359,7 +371,6 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
     """The fork drops observers in a forked child; the plugin runs again in
     the child (as vLLM loads plugins in each worker) and registers anew. The
     child's rank exports with its own pid and joins the scheduler's trace."""
-    import multiprocessing
     import os
 
     from kvobs_otel.otlp_file import read_spans
@@ -377,10 +388,7 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
             kvobs_otel.uninstrument()
             os._exit(0)
 
-        proc = multiprocessing.get_context("fork").Process(target=child)
-        proc.start()
-        proc.join(60)
-        assert proc.exitcode == 0
+        child_pid = run_forked(child)
         emit(tuple(e for e in epoch1 if e.process.rank != 1))
     finally:
         kvobs_otel.uninstrument()
@@ -390,7 +398,7 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
     assert episode.complete, episode.problems
     pids = {s.resource["process.pid"] for s in episode.spans
             if s.resource.get("kvobs.rank") == 1}
-    assert pids == {proc.pid} and proc.pid != os.getpid()
+    assert pids == {child_pid} and child_pid != os.getpid()
 
 
 def test_doctor_names_the_host_and_its_contract(monkeypatch, fork):
@@ -522,7 +530,6 @@ def test_a_v1_host_without_fork_reset_hands_the_child_a_dead_observer(monkeypatc
     """observability.py @ 115e5f6 has no fork hook: a forked child keeps the
     parent's v1 observer. It must do nothing there; the plugin, run again in
     the child, registers anew and that registration carries the child's spans."""
-    import multiprocessing
     import os
 
     from kvobs_otel import pipeline as pipeline_module
@@ -550,10 +557,7 @@ def test_a_v1_host_without_fork_reset_hands_the_child_a_dead_observer(monkeypatc
             kvobs_otel.uninstrument()
             os._exit(0)
 
-        proc = multiprocessing.get_context("fork").Process(target=child)
-        proc.start()
-        proc.join(60)
-        assert proc.exitcode == 0
+        child_pid = run_forked(child)
     finally:
         v1.set_fork_reset(previous)
         kvobs_otel.uninstrument()
@@ -562,7 +566,7 @@ def test_a_v1_host_without_fork_reset_hands_the_child_a_dead_observer(monkeypatc
     transfers = [s for s in spans if s.name == "kv.transfer"]
     assert len(transfers) == 1  # rank 1's restore, once
     assert transfers[0].attributes["kvobs.rank"] == 1
-    assert transfers[0].resource["process.pid"] == proc.pid != os.getpid()
+    assert transfers[0].resource["process.pid"] == child_pid != os.getpid()
 
 
 def test_the_v2_module_is_admitted_by_its_real_constant_names(monkeypatch, fork, caplog):

@@ -75,13 +75,10 @@ class Stream:
     records: list[tuple[int, int, int, dict[str, Any]]] = field(default_factory=list)
     files: set[str] = field(default_factory=set)
     mtime_ns: int = 0  # of the file holding its latest record
+    last_ns: int = -1  # that record's observed_at_ns
 
     def ordered(self) -> list[dict[str, Any]]:
         return [r[3] for r in sorted(self.records, key=lambda r: r[:3])]
-
-    @property
-    def last_ns(self) -> int:
-        return max(r[0] for r in self.records)
 
 
 @dataclass
@@ -139,8 +136,8 @@ def _line(ev: Evidence, index: int, path: str, mtime: int, number: int, raw: byt
     if stream is None:
         stream = ev.streams[key] = Stream(schema, key, role, rank)
     t = d["observed_at_ns"]
-    if not stream.records or t >= stream.last_ns:
-        stream.mtime_ns = mtime
+    if t >= stream.last_ns:  # kept as lines arrive: a max per line would be quadratic
+        stream.last_ns, stream.mtime_ns = t, mtime
     stream.records.append((t, index, number, d))
     stream.files.add(path)
     ev.by_schema[schema] += 1

@@ -25,8 +25,16 @@ test:
 	@KVOBS_VLLM="$(VLLM)" bash .ci/test-all.sh $(ARGS)
 lint:
 	@venv=$$(bash .ci/setup-env.sh $(VLLM)) && $$venv/bin/ruff check kvobs_otel tests
-# Benchmarks (docs/benchmarks.md): `make bench`, `make bench ARGS="--quick"`,
-# `make bench ARGS="--only B2"`. Results on stdout and in benchmarks-results.json.
+# Benchmarks (docs/benchmarks.md). Results on stdout and in benchmarks-results.json.
+#   make bench                      the full run, recorded (--record): also writes
+#                                   benchmarks/results/latest.json, the source of the
+#                                   figures in README.md and docs/benchmarks.md, and
+#                                   renders them there (python -m benchmarks.report --write)
+#   make bench ARGS="--only B2"     any ARGS: not recorded (ARGS="--quick" a smoke run)
 .PHONY: bench
 bench:
-	@venv=$$(bash .ci/setup-env.sh $(VLLM)) && $$venv/bin/python -m benchmarks $(ARGS)
+	@venv=$$(bash .ci/setup-env.sh $(VLLM)) || exit 2; \
+	  $$venv/bin/python -m benchmarks $(if $(strip $(ARGS)),$(ARGS),--record); status=$$?; \
+	  if [ -z "$(strip $(ARGS))" ]; then \
+	    $$venv/bin/python -m benchmarks.report --write || status=2; fi; \
+	  exit $$status

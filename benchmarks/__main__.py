@@ -1,5 +1,6 @@
-"""``python -m benchmarks [--only B1,B2,...] [--quick] [-o FILE]`` (from the
-repository root; ``make bench`` does that with the cached environment).
+"""``python -m benchmarks [--only B1,B2,...] [--quick] [-o FILE] [--record]``
+(from the repository root; ``make bench`` does that with the cached
+environment, and records).
 
 Prints one line per goal (measured median with its spread, the goal, MET or
 NOT MET) and "info" lines, writes everything as JSON, progress on stderr.
@@ -7,6 +8,11 @@ Exit status: 0 every goal met, 1 some goal not met, 2 a benchmark could not
 run (or bad arguments). With ``--quick`` (a smoke run of about a minute, too
 short for the figures to mean much) goals are printed but not enforced: the
 status is 0 unless something failed to run.
+
+``--record`` (a full run only: neither ``--only`` nor ``--quick``) also writes
+``benchmarks/results/latest.json``: the report without each result's bulky
+``data``. That committed file is where every figure of README.md and
+docs/benchmarks.md comes from (``python -m benchmarks.report --write``).
 
 A benchmark is a module in ``REGISTRY`` with ``NAME``, ``TITLE`` and
 ``run(quick: bool) -> benchmarks.common.Result``. A registered module that
@@ -29,6 +35,9 @@ from importlib import metadata
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, Result, apply_clean_env, progress, single_thread_torch
+
+# Written by --record; the source of the figures in README.md and docs/benchmarks.md.
+RESULTS_FILE = os.path.join("benchmarks", "results", "latest.json")
 
 REGISTRY: list[tuple[str, str]] = [
     ("B1", "benchmarks.b1_seam_cost"),
@@ -105,6 +114,20 @@ def _print(result: Result) -> None:
     sys.stdout.flush()
 
 
+def recorded(report: dict[str, Any]) -> dict[str, Any]:
+    """What --record keeps: the report without each result's ``data``."""
+    out = dict(report)
+    out["results"] = {name: {k: v for k, v in res.items() if k != "data"}
+                      for name, res in report["results"].items()}
+    return out
+
+
+def _write_json(path: str, obj: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -119,7 +142,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="smoke run (~1 min): goals printed, not enforced")
     ap.add_argument("-o", "--output", default="benchmarks-results.json",
                     help="JSON results file (default: %(default)s)")
+    ap.add_argument("--record", action="store_true",
+                    help=f"also write {RESULTS_FILE} (the report without each result's "
+                         "data), the source of the figures in README.md and "
+                         "docs/benchmarks.md; a full run only (not with --only or --quick)")
     args = ap.parse_args(argv)
+    if args.record and (args.only or args.quick):
+        ap.error("--record needs a full run: not with "
+                 + " or ".join(o for o, on in (("--only", args.only), ("--quick", args.quick))
+                               if on))
     selected = _select(ap, args.only)
     # Before vLLM is imported anywhere in this process (B1 runs here).
     apply_clean_env()
@@ -157,11 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         _print(result)
     goals = [g for r in report["results"].values() for g in r["goals"]]
     met = sum(g["met"] for g in goals)
+    report["machine"]["load_average_end"] = os.getloadavg()
     report.update(seconds=round(time.monotonic() - t0, 1), goals_total=len(goals),
                   goals_met=met, all_goals_met=met == len(goals))
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    _write_json(args.output, report)
     print(f"{met}/{len(goals)} goals met in {report['seconds']:.0f} s; results in {args.output}")
+    if args.record:
+        path = os.path.join(REPO_ROOT, RESULTS_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _write_json(path, recorded(report))
+        print(f"recorded in {RESULTS_FILE}; `python -m benchmarks.report --write` puts its "
+              "figures in README.md and docs/benchmarks.md")
     if report["errors"]:
         return 2
     if args.quick or met == len(goals):

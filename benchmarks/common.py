@@ -105,7 +105,7 @@ class Goal:
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "value": self.value, "unit": self.unit, "op": self.op,
                 "target": self.target, "met": self.met, "spread": asdict(self.spread),
-                "note": self.note}
+                "note": self.note, "fmt": self.fmt}
 
 
 @dataclass

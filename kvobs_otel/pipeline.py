@@ -87,8 +87,7 @@ class Observer:
         self.closed = True
         self.pipeline.flush()
         try:
-            self.providers.flush(int(timeout_s * 1000))
-            self.providers.shutdown(int(timeout_s * 1000))
+            self.providers.close(timeout_s)
         except Exception:
             self.pipeline.count_error("export_shutdown")
         self.pipeline.unregister(self)
@@ -162,13 +161,12 @@ class Pipeline:
                        exported=lambda: {"spans": self.exported_spans()})
         return providers
 
-    def close_process_metrics(self, timeout_s: float = 2.0) -> None:
+    def close_process_metrics(self, timeout_s: float | None = None) -> None:
         providers, self.process_metrics = self.process_metrics, None
         if providers is not None:
             self.log_final_counts()
             try:
-                providers.flush(int(timeout_s * 1000))
-                providers.shutdown(int(timeout_s * 1000))
+                providers.close(METRICS_CLOSE_TIMEOUT_S if timeout_s is None else timeout_s)
             except Exception:
                 self.count_error("export_shutdown")
 
@@ -261,6 +259,8 @@ def current_pipeline() -> Pipeline | None:
 # them (--shutdown-timeout; vllm/v1/utils.py, shutdown): the final flush of
 # spans and counts must fit well inside that.
 CLOSE_TIMEOUT_S = 3.0
+# Then the process's own counts (delivered, dropped) get their final export.
+METRICS_CLOSE_TIMEOUT_S = 1.5
 
 
 def close_pipeline() -> None:

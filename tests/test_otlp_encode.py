@@ -93,7 +93,7 @@ def test_spans_encoded_by_the_builder_are_the_sdk_spans_it_would_build(observe, 
     assert len(built) == len(sink.items) == sdk_path.spans_built > 10
     assert (ExportTraceServiceRequest.FromString(SpanEncoder().frame(sink.items))
             == encode_spans(built))
-    providers.shutdown()
+    providers.close()
 
 
 ints = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)

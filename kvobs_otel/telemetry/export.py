@@ -144,6 +144,11 @@ class CountingSpanProcessor(SpanProcessor):
         self._flush_requested = False
         self._flush_timed_out = False
         self._shutdown = False
+        # Set when shutdown gave up on an export the endpoint never answered:
+        # its spans are then counted as dropped, and its late result ignored.
+        self._abandoned = False
+        # Monotonic time by which shutdown() returns (Providers.close sets it).
+        self.deadline: float | None = None
         self._batch = s.max_export_batch_size
         self._thread = threading.Thread(target=self._run, name="kvobs-otel-export", daemon=True)
         self._thread.start()
@@ -190,6 +195,9 @@ class CountingSpanProcessor(SpanProcessor):
 
     def shutdown(self) -> None:
         timeout = self.settings.export_timeout_s
+        if self.deadline is not None:
+            timeout = min(timeout, max(0.0, self.deadline - time.monotonic()))
+        end = time.monotonic() + timeout
         # A flush that already timed out (endpoint hanging) is not retried:
         # shutting down must stay bounded.
         if not self._flush_timed_out:
@@ -201,7 +209,16 @@ class CountingSpanProcessor(SpanProcessor):
             self._cond.notify_all()
         if left:
             STATS.drop(SHUTDOWN, left, "still queued when the exporter was shut down")
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, end - time.monotonic()))
+        with self._cond:
+            # An export the endpoint has not answered by now is not waited
+            # for (the thread is a daemon): its spans count as lost, once.
+            hung = self._inflight if self._thread.is_alive() else 0
+            if hung:
+                self._abandoned = True
+                self._inflight = 0
+        if hung:
+            STATS.drop(SHUTDOWN, hung, "an export still unanswered at shutdown")
         try:
             self.exporter.shutdown()
         except Exception:
@@ -234,10 +251,14 @@ class CountingSpanProcessor(SpanProcessor):
             else:
                 result = self.exporter.export(batch)
         except Exception:
+            result = None
+        with self._cond:
+            if self._abandoned:  # already counted as lost by shutdown()
+                return
+        if result is None:
             STATS.error(STAGE_EXPORTER)
             STATS.drop(EXPORT_FAILED, len(batch))
-            return
-        if result == SpanExportResult.SUCCESS:
+        elif result == SpanExportResult.SUCCESS:
             STATS.sent(len(batch))
         else:
             STATS.drop(EXPORT_FAILED, len(batch), "the endpoint refused or could not be reached")
@@ -253,6 +274,10 @@ class CountingMetricExporter(MetricExporter):
         self.inner = inner
         self.closing = False  # set when the provider shuts down
         self.last_failed = False
+        # Monotonic time no export may wait past (Providers.close sets it):
+        # the SDK's OTLP exporters wait for their own timeout, not the
+        # reader's, and a closing process cannot wait that long.
+        self.deadline: float | None = None
 
     def _failed(self) -> MetricExportResult:
         self.last_failed = True
@@ -260,14 +285,32 @@ class CountingMetricExporter(MetricExporter):
                    what="metric export(s)")
         return MetricExportResult.FAILURE
 
+    def _call(self, metrics_data: MetricsData, timeout_millis: float,
+              **kwargs: Any) -> MetricExportResult | None:
+        try:
+            return self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception:
+            STATS.error(STAGE_METRIC_EXPORT)  # a bug in the exporter, with its traceback
+            return None
+
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
                **kwargs: Any) -> MetricExportResult:
         if self.closing and self.last_failed:
             return self._failed()  # not retried on the way out
-        try:
-            result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        except Exception:
-            STATS.error(STAGE_METRIC_EXPORT)  # a bug in the exporter, with its traceback
+        deadline = self.deadline
+        if deadline is None:
+            result = self._call(metrics_data, timeout_millis, **kwargs)
+        else:
+            box: list[MetricExportResult | None] = []
+            worker = threading.Thread(
+                target=lambda: box.append(self._call(metrics_data, timeout_millis, **kwargs)),
+                name="kvobs-otel-metric-export", daemon=True)
+            worker.start()
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if not box:  # unanswered by the deadline: counted, not waited for
+                return self._failed()
+            result = box[0]
+        if result is None:
             self.last_failed = True
             return MetricExportResult.FAILURE
         if result != MetricExportResult.SUCCESS:

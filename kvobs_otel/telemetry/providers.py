@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,18 +141,47 @@ class Providers:
     metric_exporters: list[CountingMetricExporter] = field(default_factory=list)
     # where the span builder sends encoded spans; empty: it sends ReadableSpans
     encoded_sinks: list[CountingSpanProcessor] = field(default_factory=list)
+    # every export stage of the tracer provider (their shutdown is bounded by close)
+    stages: list[CountingSpanProcessor] = field(default_factory=list)
 
     def flush(self, timeout_ms: int = 10000) -> None:
         self.tracer_provider.force_flush(timeout_ms)
         self.meter_provider.force_flush(timeout_ms)
 
-    def shutdown(self, timeout_ms: int = 10000) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush and shut down within ``timeout_s``, even when the endpoint
+        accepts connections and never answers: what is unanswered by then is
+        counted as dropped, not waited for."""
+        deadline = time.monotonic() + timeout_s
+
+        def left_ms() -> int:
+            return max(1, int((deadline - time.monotonic()) * 1000))
+
         # Closing: a metric endpoint that just failed is not retried for the
         # final exports, so a dead Collector cannot hold the process.
         for exporter in self.metric_exporters:
             exporter.closing = True
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown(timeout_millis=timeout_ms)
+            exporter.deadline = deadline
+        for stage in self.stages:
+            stage.deadline = deadline
+        steps = [lambda: self.tracer_provider.force_flush(left_ms()),
+                 self.tracer_provider.shutdown,
+                 lambda: self.meter_provider.shutdown(timeout_millis=left_ms())]
+        if not self.metric_exporters:
+            # A reader without an exporting thread (tests read theirs) collects
+            # on flush. An exporting reader is not flushed: its final export
+            # comes with shutdown, on its own thread, waited for only until the
+            # deadline (a flush would wait, unbounded, for an export in flight).
+            steps.insert(1, lambda: self.meter_provider.force_flush(left_ms()))
+        # Each step on its own: a timed-out flush must not skip the shutdown.
+        failed: Exception | None = None
+        for step in steps:
+            try:
+                step()
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
 
 def make_providers(resource_attributes: dict[str, Any],
@@ -203,4 +233,5 @@ def make_providers(resource_attributes: dict[str, Any],
     for reader in readers:
         if not histograms.attach(reader):
             raise RuntimeError("this OpenTelemetry SDK's metric reader cannot be extended")
-    return Providers(tp, mp, spans, resource, histograms, metric_exporters, encoded)
+    stages = [p for p in processors if isinstance(p, CountingSpanProcessor)]
+    return Providers(tp, mp, spans, resource, histograms, metric_exporters, encoded, stages)

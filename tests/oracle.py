@@ -80,3 +80,66 @@ def assert_traces_match_vllm(h: Any, spans: list[Any], request_id: Any = None) -
         else:
             assert not admissions and not computed, f"{key}: admitted, vLLM never resumed it"
     return len(truth)
+
+
+@dataclass
+class EngineTruth:
+    """What a real vLLM engine itself says it did (its Prometheus endpoint)
+    and what its client saw."""
+
+    preemptions: int  # vllm:num_preemptions_total
+    loads: int  # vllm:kv_offload_load_size_count: CPU->device transfers, every rank
+    load_bytes: int  # vllm:kv_offload_load_bytes_total
+    all_finished: bool  # the client got every request's tokens
+    ranks: frozenset[int]
+
+    @classmethod
+    def read(cls, metrics_text: str, all_finished: bool, num_ranks: int) -> EngineTruth:
+        # vLLM sums every worker's transfer stats before counting them:
+        # KVOutputAggregator.aggregate ("Aggregate kv_connector_worker_meta
+        # from all workers", vllm/distributed/kv_transfer/kv_connector/utils.py)
+        # and TransferStats.aggregate (.../v1/offloading/common.py), counted in
+        # update_connector_output (.../v1/offloading/scheduler.py), 0.32.0.
+        from kvobs_otel.harness.server import sum_samples
+
+        return cls(int(sum_samples(metrics_text, "vllm:num_preemptions_total")),
+                   int(sum_samples(metrics_text, "vllm:kv_offload_load_size_count")),
+                   int(sum_samples(metrics_text, "vllm:kv_offload_load_bytes_total")),
+                   all_finished, frozenset(range(num_ranks)))
+
+
+def _rank(s: SpanView) -> Any:
+    # Inline harness ranks share a process (rank attribute); a real engine's
+    # workers are processes of their own (rank in the resource).
+    return s.attrs.get("kvobs.rank", s.resource.get("kvobs.rank"))
+
+
+def assert_engine_traces_match_vllm(truth: EngineTruth, spans: list[Any]) -> int:
+    """Assert the recovery traces of a real engine hold what vLLM counted:
+    one recovery per preemption; every CPU->device transfer vLLM counted, with
+    its bytes, each job on every rank; and, when every request finished (so
+    vLLM re-admitted every preempted one), one admission and a first compute
+    on every rank per recovery. Returns the number of recoveries."""
+    traces = [t for t in by_trace(spans).values() if any(s.name == "kv.recovery" for s in t)]
+    roots = Counter((s.attrs["kvobs.request.id"], s.attrs["kvobs.recovery.epoch"])
+                    for t in traces for s in t if s.name == "kv.recovery")
+    assert sum(roots.values()) == truth.preemptions, (truth.preemptions, len(roots))
+    assert set(roots.values()) <= {1}, [k for k, n in roots.items() if n > 1]
+    loads = [s for t in traces for s in t
+             if s.name == "kv.transfer" and s.attrs.get("kvobs.direction") == "h2d"]
+    assert len(loads) == truth.loads, f"{len(loads)} restores traced, vLLM counted {truth.loads}"
+    traced_bytes = sum(s.attrs.get("kvobs.bytes", 0) for s in loads)
+    assert traced_bytes == truth.load_bytes, f"{traced_bytes} B traced, vLLM {truth.load_bytes}"
+    per_job: dict[Any, set[Any]] = {}
+    for s in loads:
+        per_job.setdefault((s.trace_id, s.attrs["kvobs.job.id"]), set()).add(_rank(s))
+    assert all(r == truth.ranks for r in per_job.values()), per_job
+    if truth.all_finished:
+        for t in traces:
+            (root,) = [s for s in t if s.name == "kv.recovery"]
+            key = (root.attrs["kvobs.request.id"], root.attrs["kvobs.recovery.epoch"])
+            admissions = [s for s in t if s.name == "kv.admission"]
+            computed = Counter(_rank(s) for s in t if s.name == "kv.first_compute")
+            assert len(admissions) == 1, f"{key}: {len(admissions)} admissions"
+            assert computed == Counter(truth.ranks), f"{key}: first computes {dict(computed)}"
+    return len(traces)

@@ -20,8 +20,10 @@ import time
 from collections import Counter
 
 import pytest
+from oracle import EngineTruth, assert_engine_traces_match_vllm
 
 from kvobs_otel.harness.server import EngineServer, ServeConfig, engine_available, sum_samples
+from kvobs_otel.sources import load_spans
 
 from conftest import run_cli
 from otel_servers import free_port, http_get, poll, start_collector, wait_for
@@ -116,20 +118,21 @@ def test_plugin_traces_every_preemption_of_a_real_engine(stack, model, tmp_path)
     server = start_server(model, tmp_path, cfg, otel_env(endpoint, service))
     try:
         result = load(server, traced_every=2, salt="plugin")
-        preemptions = server.metric("vllm:num_preemptions_total")
+        vllm_metrics = server.metrics_text()
     finally:
         code = server.stop(signal.SIGTERM)
     # Serving is whole: every request answered with all its tokens.
     assert not result.errors, result.errors[:3]
-    assert all(c.tokens == LOAD["max_tokens"] for c in result.completions)
-    assert preemptions > 0, "no KV pressure: nothing to observe"
+    finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
+    assert finished
+    truth = EngineTruth.read(vllm_metrics, finished, num_ranks=2)
+    assert truth.preemptions > 0 and truth.loads > 0, "no KV pressure: nothing to observe"
 
-    # One recovery episode per preemption vLLM counted.
-    episodes = wait_episodes(stack, service, int(preemptions))
-    by_outcome = Counter(e.outcome for e in episodes)
-    assert len(episodes) == preemptions, (preemptions, by_outcome)
-    assert all(e.complete for e in episodes), [(e.outcome, e.problems) for e in episodes
-                                               if not e.complete]
+    # Judged by what vLLM counted: one recovery per preemption, every restore
+    # vLLM made, admissions and first computes on both ranks.
+    episodes = wait_episodes(stack, service, truth.preemptions)
+    assert_engine_traces_match_vllm(truth, load_spans(jaeger_source(stack, service)))
+    assert len(episodes) == truth.preemptions, Counter(e.outcome for e in episodes)
     # Every recovered episode holds both ranks' first computes and, when it
     # restored from the CPU tier (its blocks may instead still have been
     # resident in the GPU prefix cache), both ranks' restores.
@@ -297,16 +300,17 @@ def test_the_explicit_connector_class_traces_the_real_engine(stack, model, tmp_p
     server = start_server(model, tmp_path, cfg, otel_env(endpoint, service))
     try:
         result = load(server, salt="explicit")
-        preemptions = server.metric("vllm:num_preemptions_total")
+        vllm_metrics = server.metrics_text()
     finally:
         code = server.stop(signal.SIGTERM)
     assert code == 0, code
     assert not result.errors, result.errors[:3]
-    assert preemptions > 0
-    episodes = wait_episodes(stack, service, int(preemptions))
-    assert len(episodes) == preemptions
-    assert all(e.complete for e in episodes), [e.problems for e in episodes if not e.complete]
-    assert any(e.outcome == "recovered" for e in episodes)
+    finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
+    truth = EngineTruth.read(vllm_metrics, finished, num_ranks=2)
+    assert finished and truth.preemptions > 0
+    episodes = wait_episodes(stack, service, truth.preemptions)
+    assert_engine_traces_match_vllm(truth, load_spans(jaeger_source(stack, service)))
+    assert len(episodes) == truth.preemptions
 
     # SIGTERM flushed every process: what they say they delivered
     # (kvobs.observer.exported, each process's last report) is what the

@@ -1,15 +1,19 @@
-"""Trace completeness judged against ground truth recorded from vLLM as it
-ran, not by the product's own checker (``kvobs_otel.analysis.episodes``).
+"""Trace completeness judged against ground truth recorded from the host as
+it ran, not by the product's own checker (``kvobs_otel.analysis.episodes``).
 
-The truth comes from the harness's record of vLLM's own decisions: every
-preemption vLLM's scheduler made (``SchedulerOutput.preempted_req_ids``),
-every load job its connector created for a preempted request (the step
-metadata's ``load_jobs``, with the request's ``num_preemptions``), and every
-re-admission (the request scheduled again after its n-th preemption). The
-ranks are the harness's. The spans must hold exactly one recovery per
-preemption and, for each, every restore job with a full receipt, a restore
-transfer from every rank, and, when vLLM re-admitted the request, one
-admission and a first compute from every rank.
+- The harness (``recoveries``): its record of vLLM's own decisions: every
+  preemption vLLM's scheduler made (``SchedulerOutput.preempted_req_ids``),
+  every load job its connector created for a preempted request (the step
+  metadata's ``load_jobs``, with the request's ``num_preemptions``), every
+  re-admission (the request scheduled again after its n-th preemption).
+- A vLLM-HUST stand-in chain (``chain_truth``): the records the host emitted.
+- A real engine (``EngineTruth``): vLLM's own Prometheus counts and the
+  client's view.
+
+The spans must hold exactly one recovery per preemption and, for each, every
+restore job with a full receipt, a restore transfer from every rank, and,
+when the request was re-admitted, one admission and a first compute from
+every rank.
 """
 
 from __future__ import annotations
@@ -44,13 +48,47 @@ def recoveries(h: Any) -> dict[tuple[str, int], Recovery]:
     return out
 
 
+def _rank(s: SpanView) -> Any:
+    # Inline harness ranks share a process (rank attribute); a real engine's
+    # workers are processes of their own (rank in the resource).
+    return s.attrs.get("kvobs.rank", s.resource.get("kvobs.rank"))
+
+
+def chain_truth(chain: Any) -> dict[tuple[str, int], Recovery]:
+    """The same truth from what a vLLM-HUST host emitted (a stand-in chain of
+    v2 ``CorrelatedObservation`` or v1 ``KVTransferObservation`` records):
+    each requeue opens a recovery, each restore submitted belongs to it (v1
+    restores carry no epoch: the request's latest), an admission resumes it."""
+    out: dict[tuple[str, int], Recovery] = {}
+    latest: dict[str, int] = {}
+    for emission in chain:
+        r = emission.record
+        event = getattr(r.event, "value", r.event)
+        epoch = getattr(r, "recovery_epoch", None) or latest.get(r.request_id or "")
+        if event == "recovery_requeued":
+            latest[r.request_id] = r.recovery_epoch
+            out[(r.request_id, r.recovery_epoch)] = Recovery(r.request_id, r.recovery_epoch)
+        elif event in ("restore_submitted", "transfer_submitted") and epoch:
+            out[(r.request_id, epoch)].restore_jobs.add(r.job_id)
+        elif event == "recovery_admitted":
+            out[(r.request_id, epoch)].resumed = True
+    return out
+
+
 def assert_traces_match_vllm(h: Any, spans: list[Any], request_id: Any = None) -> int:
-    """Assert the spans hold every recovery vLLM made, complete; returns how
-    many. ``request_id`` maps vLLM's request ids to the exported ones (a
-    keyed pseudonym)."""
+    """Assert the spans hold every recovery vLLM made in harness ``h``,
+    complete; returns how many. ``request_id`` maps vLLM's request ids to the
+    exported ones (a keyed pseudonym)."""
+    return assert_traces_hold(recoveries(h), set(range(h.config.num_ranks)), spans, request_id)
+
+
+def assert_traces_hold(truth: dict[tuple[str, int], Recovery], ranks: set[int],
+                       spans: list[Any], request_id: Any = None) -> int:
+    """Exactly one trace per recovery of ``truth``, each holding every restore
+    job with a full receipt and an ok transfer from every rank, and, when the
+    request was resumed, one admission and a first compute from every rank."""
     exported = request_id or (lambda r: r)
-    truth = {(exported(r), n): rec for (r, n), rec in recoveries(h).items()}
-    ranks = set(range(h.config.num_ranks))
+    truth = {(exported(r), n): rec for (r, n), rec in truth.items()}
     traces = by_trace(spans)
     roots: dict[tuple[str, int], list[SpanView]] = {}
     for trace in traces.values():
@@ -65,20 +103,20 @@ def assert_traces_match_vllm(h: Any, spans: list[Any], request_id: Any = None) -
         jobs = {s.attrs["kvobs.job.id"]: s for s in trace if s.name == "kv.job"}
         for job_id in rec.restore_jobs:
             job = jobs.get(job_id)
-            assert job is not None, f"{key}: vLLM's restore job {job_id} has no kv.job"
+            assert job is not None, f"{key}: the restore job {job_id} has no kv.job"
             assert set(job.attrs["kvobs.receipt.ranks"]) == ranks, (key, job.attrs)
             assert job.attrs["kvobs.outcome"] == "complete", (key, job.attrs)
-            moved = {s.attrs["kvobs.rank"] for s in trace if s.name == "kv.transfer"
+            moved = {_rank(s) for s in trace if s.name == "kv.transfer"
                      and s.attrs["kvobs.job.id"] == job_id
                      and s.attrs["kvobs.outcome"] == "ok"}
             assert moved == ranks, f"{key}: job {job_id} restored on ranks {sorted(moved)}"
         admissions = [s for s in trace if s.name == "kv.admission"]
-        computed = Counter(s.attrs["kvobs.rank"] for s in trace if s.name == "kv.first_compute")
+        computed = Counter(_rank(s) for s in trace if s.name == "kv.first_compute")
         if rec.resumed:
             assert len(admissions) == 1, f"{key}: {len(admissions)} admissions"
             assert computed == Counter(ranks), f"{key}: first computes {dict(computed)}"
         else:
-            assert not admissions and not computed, f"{key}: admitted, vLLM never resumed it"
+            assert not admissions and not computed, f"{key}: admitted, never resumed"
     return len(truth)
 
 
@@ -106,12 +144,6 @@ class EngineTruth:
                    int(sum_samples(metrics_text, "vllm:kv_offload_load_size_count")),
                    int(sum_samples(metrics_text, "vllm:kv_offload_load_bytes_total")),
                    all_finished, frozenset(range(num_ranks)))
-
-
-def _rank(s: SpanView) -> Any:
-    # Inline harness ranks share a process (rank attribute); a real engine's
-    # workers are processes of their own (rank in the resource).
-    return s.attrs.get("kvobs.rank", s.resource.get("kvobs.rank"))
 
 
 def assert_engine_traces_match_vllm(truth: EngineTruth, spans: list[Any]) -> int:

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from oracle import assert_traces_hold, chain_truth
 from vllm_hust_contract import chains
 from vllm_hust_contract import correlated_observability as v2
 from vllm_hust_contract import observability as v1
@@ -131,11 +132,13 @@ def restore_shape(spans: list) -> list[tuple]:
 
 
 def test_v2_recovery_chain_becomes_one_complete_trace_per_epoch(fork):
-    spans = run(chains.recovery_chain(), fork)
+    chain = chains.recovery_chain()
+    spans = run(chain, fork)
+    # Judged against what the host emitted, not by kvobs-otel's own checker.
+    assert assert_traces_hold(chain_truth(chain), set(chains.RANKS), spans) == 2
     episodes = rebuild(file_spans(spans))
     assert [(e.request_id, e.epoch, e.outcome) for e in episodes] == [
         (chains.REQUEST_ID, 1, "recovered"), (chains.REQUEST_ID, 2, "recovered")]
-    assert all(e.complete for e in episodes), [e.problems for e in episodes]
     for e in episodes:
         assert e.sched_gen == chains.SCHEDULER_GENERATION
         assert e.restore_jobs == [chains.JOB_IDS[e.epoch]]
@@ -180,9 +183,10 @@ def test_disabled_registers_nothing(fork):
 
 
 def test_restarted_worker_generation_stays_joined(fork):
-    spans = run(chains.restarted_worker_chain(), fork)
+    chain = chains.restarted_worker_chain()
+    spans = run(chain, fork)
+    assert assert_traces_hold(chain_truth(chain), set(chains.RANKS), spans) == 2
     episodes = {e.epoch: e for e in rebuild(file_spans(spans))}
-    assert all(e.complete for e in episodes.values()), [e.problems for e in episodes.values()]
     gens = {ep: {s.attributes["kvobs.rank"]: s.attributes["kvobs.worker.generation"]
                  for s in e.named("kv.transfer") + e.named("kv.first_compute")}
             for ep, e in episodes.items()}
@@ -394,8 +398,8 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
         kvobs_otel.uninstrument()
         v2.reset_correlated_observers()
     spans = read_spans(str(out))
+    assert assert_traces_hold(chain_truth(epoch1), set(chains.RANKS), spans) == 1
     (episode,) = rebuild(spans)
-    assert episode.complete, episode.problems
     pids = {s.resource["process.pid"] for s in episode.spans
             if s.resource.get("kvobs.rank") == 1}
     assert pids == {child_pid} and child_pid != os.getpid()

@@ -122,6 +122,9 @@ def _import_stream(stream: Stream, make_providers: Callable[[dict], Providers],
     return providers
 
 
+IMPORT_CLOSE_TIMEOUT_S = 30.0
+
+
 def import_evidence(evidence: Evidence, make_providers: Callable[[dict], Providers],
                     pseudonym: RequestIdHasher | None = None) -> ImportResult:
     """``pseudonym``: replaces request ids (KVOBS_OTEL_REQUEST_ID_KEY), as live."""
@@ -130,8 +133,9 @@ def import_evidence(evidence: Evidence, make_providers: Callable[[dict], Provide
             for s in evidence.streams.values()]
     result.streams = len(made)
     for p in made:
-        p.flush()
-        p.shutdown()
+        # Not a serving process: an import may wait for a slow endpoint
+        # (OTEL_BSP_EXPORT_TIMEOUT's default).
+        p.close(IMPORT_CLOSE_TIMEOUT_S)
     return result
 
 

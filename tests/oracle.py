@@ -56,13 +56,14 @@ def _rank(s: SpanView) -> Any:
 
 def chain_truth(chain: Any) -> dict[tuple[str, int], Recovery]:
     """The same truth from what a vLLM-HUST host emitted (a stand-in chain of
-    v2 ``CorrelatedObservation`` or v1 ``KVTransferObservation`` records):
+    v2 ``CorrelatedObservation`` or v1 ``KVTransferObservation`` records, or
+    the records behind a plugin file, ``vllm_hust_contract.jsonl``):
     each requeue opens a recovery, each restore submitted belongs to it (v1
     restores carry no epoch: the request's latest), an admission resumes it."""
     out: dict[tuple[str, int], Recovery] = {}
     latest: dict[str, int] = {}
     for emission in chain:
-        r = emission.record
+        r = getattr(emission, "record", emission)  # an Emission, or the record itself
         event = getattr(r.event, "value", r.event)
         epoch = getattr(r, "recovery_epoch", None) or latest.get(r.request_id or "")
         if event == "recovery_requeued":

@@ -280,11 +280,12 @@ def test_latency_histograms_resolve_milliseconds_and_carry_episode_exemplars(obs
                                for p in m.data.data_points]
     (point,) = points
     assert tuple(point.explicit_bounds) == LATENCY_BUCKETS
-    # The recovery lands in the bucket of its own duration (not all in the
-    # first bucket, as the SDK's default boundaries 0, 5, 10, ... s would put it).
+    # The recovery lands in the bucket of its own duration (a harness
+    # recovery takes milliseconds: the SDK's default boundaries 0, 5, 10, ...
+    # s would put every one in the first bucket).
     latency_s = (root.end_ns - root.start_ns) / 1e9
     expected = next((i for i, b in enumerate(LATENCY_BUCKETS) if latency_s <= b),
                     len(LATENCY_BUCKETS))
     assert point.bucket_counts[expected] == 1 and sum(point.bucket_counts) == 1
-    assert latency_s < 5.0 and expected > 0
+    assert expected > 0  # not the first bucket: the boundaries resolve it
     assert {e.trace_id for e in point.exemplars} == roots

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The real programs the tests run on loopback: Prometheus + promtool and
-# Chromium (Debian's packages) and Jaeger v2 + the Collector (built from Go modules,
-# cached outside the repo; ~6 min the first time, instant afterwards).
-# Prints `export KVOBS_JAEGER_BIN=... KVOBS_OTELCOL_BIN=...` for eval.
+# The real programs the tests run on loopback: Jaeger v2, the Collector and
+# Prometheus 3.5.0 + promtool (the release docker-compose.yml ships), built
+# from Go modules and cached outside the repo (~10 min the first time, instant
+# afterwards), and Chromium (Debian's package).
+# Prints `export KVOBS_JAEGER_BIN=... KVOBS_OTELCOL_BIN=... KVOBS_PROMETHEUS_BIN=...
+# KVOBS_PROMTOOL_BIN=...` (one line) for eval.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# Debian packages: Prometheus + promtool (alert and end-to-end tests), openssl
-# (certificates for the TLS tests) and
-# Chromium (the HTML report's screenshot test).
+# Debian packages: openssl (certificates for the TLS tests) and Chromium (the
+# HTML report's screenshot test).
 missing=()
-command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
 command -v openssl >/dev/null || missing+=(openssl)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
@@ -23,6 +23,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 bins=$(bash "$here/otel-bins/build.sh")
-jaeger=$(sed -n 's/^JAEGER=//p' <<<"$bins")
-otelcol=$(sed -n 's/^OTELCOL=//p' <<<"$bins")
-echo "export KVOBS_JAEGER_BIN=$jaeger KVOBS_OTELCOL_BIN=$otelcol"
+path_of() {  # path_of NAME: the path build.sh printed as NAME=..., shell-quoted
+  local p
+  p=$(sed -n "s/^$1=//p" <<<"$bins")
+  [ -n "$p" ] || { echo "kvobs-otel: build.sh printed no $1=" >&2; return 1; }
+  printf '%q' "$p"
+}
+jaeger=$(path_of JAEGER)
+otelcol=$(path_of OTELCOL)
+prometheus=$(path_of PROMETHEUS)
+promtool=$(path_of PROMTOOL)
+echo "export KVOBS_JAEGER_BIN=$jaeger KVOBS_OTELCOL_BIN=$otelcol" \
+  "KVOBS_PROMETHEUS_BIN=$prometheus KVOBS_PROMTOOL_BIN=$promtool"

@@ -1,10 +1,11 @@
 """Start, wait for and stop the real telemetry servers the tests run on loopback.
 
-Jaeger v2 and the project's Collector distribution are built from Go modules by
-``.ci/otel-bins/build.sh`` (once, cached outside the repo); Prometheus is
-Debian's ``prometheus``. Every server is a child process of the test, listens
-where its config (plus the ``env`` given here) says, logs to a file, and is
-killed by ``Server.stop()`` (and, as a last resort, at interpreter exit).
+Jaeger v2, the project's Collector distribution, and Prometheus 3.5.0 with
+promtool (the release docker-compose.yml ships) are built from Go modules by
+``.ci/otel-bins/build.sh`` (once, cached outside the repo). Every server is a
+child process of the test, listens where its config (plus the ``env`` given
+here) says, logs to a file, and is killed by ``Server.stop()`` (and, as a last
+resort, at interpreter exit).
 
 Configs use the Collector's ``${env:VAR:-default}`` substitution, so a test
 passes ports and endpoints in ``env``; the same YAML that deploy/ ships runs
@@ -15,6 +16,7 @@ send Jaeger's spans into the pipeline under test); pass them in ``env`` if wante
 API::
 
     jaeger_bin, otelcol_bin = otel_binaries()       # builds once per session
+    prometheus_bin, promtool_bin = prometheus_binaries()
     port = free_port()
     wait_http(url, timeout=30.0)                    # -> body bytes of the first 2xx
     s = start_jaeger(config_path, env, ready_url=None, args=())
@@ -55,24 +57,55 @@ _live: dict[int, Server] = {}
 
 
 # -- binaries ---------------------------------------------------------------------
+# build.sh prints NAME=path for each program; each can be given instead in an
+# environment variable (.ci/setup-servers.sh exports all four).
+BINARY_ENV = {"JAEGER": "KVOBS_JAEGER_BIN", "OTELCOL": "KVOBS_OTELCOL_BIN",
+              "PROMETHEUS": "KVOBS_PROMETHEUS_BIN", "PROMTOOL": "KVOBS_PROMTOOL_BIN"}
+
+
 @functools.cache
-def otel_binaries() -> tuple[Path, Path]:
-    """(jaeger, otelcol) paths. Runs build.sh (a no-op once built) unless both
-    KVOBS_JAEGER_BIN and KVOBS_OTELCOL_BIN name existing binaries."""
-    pre = os.environ.get("KVOBS_JAEGER_BIN"), os.environ.get("KVOBS_OTELCOL_BIN")
-    if all(pre) and all(Path(p).is_file() for p in pre):
-        return Path(pre[0]), Path(pre[1])
+def _build_script_paths() -> dict[str, Path]:
+    """Runs build.sh (a no-op once built; at most once per session) and returns
+    the four paths it prints, by name (JAEGER, OTELCOL, PROMETHEUS, PROMTOOL)."""
     proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{BUILD_SCRIPT} failed (exit {proc.returncode}):\n"
                            f"{proc.stderr[-6000:]}")
     out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-    jaeger, otelcol = Path(out["JAEGER"]), Path(out["OTELCOL"])
-    for p in (jaeger, otelcol):
+    missing = set(BINARY_ENV) - set(out)
+    if missing:
+        raise RuntimeError(f"build.sh printed no {sorted(missing)}:\n{proc.stdout}")
+    paths = {name: Path(out[name]) for name in BINARY_ENV}
+    for p in paths.values():
         if not os.access(p, os.X_OK):
             raise RuntimeError(f"build.sh reported {p}, which is not an executable")
-    return jaeger, otelcol
+    return paths
+
+
+def built_binary(name: str) -> Path:
+    """One of the programs build.sh builds (``JAEGER``, ``OTELCOL``, ``PROMETHEUS``,
+    ``PROMTOOL``): the file its environment variable (``BINARY_ENV``) names if
+    that exists, else what build.sh reports (building it first if needed)."""
+    pre = os.environ.get(BINARY_ENV[name])
+    if pre and Path(pre).is_file():
+        return Path(pre)
+    return _build_script_paths()[name]
+
+
+@functools.cache
+def otel_binaries() -> tuple[Path, Path]:
+    """(jaeger, otelcol) paths. Runs build.sh (a no-op once built) unless both
+    KVOBS_JAEGER_BIN and KVOBS_OTELCOL_BIN name existing binaries."""
+    return built_binary("JAEGER"), built_binary("OTELCOL")
+
+
+@functools.cache
+def prometheus_binaries() -> tuple[Path, Path]:
+    """(prometheus, promtool) paths: Prometheus 3.5.0 built from Go modules, the
+    release docker-compose.yml ships. Runs build.sh unless both
+    KVOBS_PROMETHEUS_BIN and KVOBS_PROMTOOL_BIN name existing binaries."""
+    return built_binary("PROMETHEUS"), built_binary("PROMTOOL")
 
 
 # -- small helpers ----------------------------------------------------------------
@@ -285,10 +318,13 @@ def validate_collector_config(config_path: str | os.PathLike[str],
 def start_prometheus(config_path: str | os.PathLike[str], tsdb_dir: str | os.PathLike[str],
                      port: int, *, args: Sequence[str] = (), timeout: float = 60.0,
                      log_dir: Path | None = None,
-                     binary: str = "prometheus") -> Server:
-    """Debian's Prometheus on 127.0.0.1:``port`` with ``config_path`` (rule files
-    resolve relative to it), storage in ``tsdb_dir``; ready on ``/-/ready``."""
+                     binary: str | os.PathLike[str] | None = None) -> Server:
+    """Prometheus (``binary``, default: the one build.sh builds, see
+    ``prometheus_binaries``) on 127.0.0.1:``port`` with ``config_path`` (rule
+    files resolve relative to it), storage in ``tsdb_dir``; ready on ``/-/ready``."""
     Path(tsdb_dir).mkdir(parents=True, exist_ok=True)
+    if binary is None:
+        binary, _ = prometheus_binaries()
     argv = [binary, f"--config.file={Path(config_path).resolve()}",
             f"--storage.tsdb.path={Path(tsdb_dir).resolve()}",
             f"--web.listen-address=127.0.0.1:{port}", *args]

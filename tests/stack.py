@@ -1,10 +1,10 @@
 """The real observability stack of the end-to-end tests, on loopback: the
 Go-built Collector with deploy/otel-collector.yaml, Jaeger v2 with
-deploy/jaeger.yaml, Debian's Prometheus with deploy/prometheus.yml and
-alerts.yml. Only ports and storage are parametrised. Tempo cannot run here
-(its code is AGPL and not built): its OTLP intake is played by an in-process
-OTLP receiver, labelled as such. The ``stack`` fixture (conftest) starts one
-per test module.
+deploy/jaeger.yaml, Prometheus 3.5.0 (Go-built too: the release
+docker-compose.yml ships) with deploy/prometheus.yml and alerts.yml. Only
+ports and storage are parametrised. Tempo cannot run here (its code is AGPL
+and not built): its OTLP intake is played by an in-process OTLP receiver,
+labelled as such. The ``stack`` fixture (conftest) starts one per test module.
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ from otel_servers import free_port, get_json, start_collector, start_jaeger, sta
 from otlp_receiver import GrpcReceiver
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+COMPOSE = DEPLOY.parent / "docker-compose.yml"
+
+
+def compose_prometheus_flags() -> list[str]:
+    """The flags docker-compose.yml gives Prometheus (exemplar storage...),
+    but its paths: the stack runs the Prometheus users get."""
+    import yaml
+
+    command = yaml.safe_load(COMPOSE.read_text())["services"]["prometheus"]["command"]
+    return [c for c in command if not c.startswith(("--config.file", "--storage.tsdb.path"))]
 
 
 class Stack:
@@ -55,7 +65,8 @@ class Stack:
         text = text.replace("otel-collector:8888", f"127.0.0.1:{p['telemetry']}")
         (tmp / "prometheus.yml").write_text(text)
         (tmp / "alerts.yml").write_text((DEPLOY / "alerts.yml").read_text())
-        self.prometheus = start_prometheus(tmp / "prometheus.yml", tmp / "tsdb", p["prometheus"])
+        self.prometheus = start_prometheus(tmp / "prometheus.yml", tmp / "tsdb", p["prometheus"],
+                                           args=compose_prometheus_flags())
         self.jaeger_url = f"http://127.0.0.1:{p['j_query']}"
         self.prom_url = f"http://127.0.0.1:{p['prometheus']}"
 

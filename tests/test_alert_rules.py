@@ -1,21 +1,21 @@
 """The shipped Prometheus rules load, and every alert fires on its condition
-and stays quiet otherwise (promtool, Debian's prometheus package)."""
+and stays quiet otherwise (promtool 3.5.0, built from Go modules by
+.ci/otel-bins/build.sh: the Prometheus release docker-compose.yml ships)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import yaml
 
+from otel_servers import prometheus_binaries
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    assert path, "promtool missing: .ci/run installs Debian's prometheus package"
-    return path
+    return str(prometheus_binaries()[1])
 
 
 def test_rules_are_valid():

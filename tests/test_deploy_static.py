@@ -29,6 +29,8 @@ DATASOURCES_FILE = GRAFANA_PROVISIONING / "datasources" / "datasources.yaml"
 DASHBOARD_PROVIDERS_FILE = GRAFANA_PROVISIONING / "dashboards" / "dashboards.yaml"
 DASHBOARDS_DIR = ROOT / "dashboards"
 DASHBOARD_FILES = sorted(DASHBOARDS_DIR.glob("*.json"))
+OTEL_BINS = ROOT / ".ci" / "otel-bins"
+BUILD_SCRIPT = OTEL_BINS / "build.sh"
 
 SERVICES = ("otel-collector", "jaeger", "tempo", "prometheus", "grafana")
 IMAGES = {
@@ -352,6 +354,60 @@ def test_image_is_pinned(services: dict[str, dict], name: str) -> None:
         f"{name}: expected image {IMAGES[name]}, got {image}")
     if name == "jaeger":
         assert tag.startswith("2."), "Jaeger must be v2 (it reads deploy/jaeger.yaml)"
+
+
+def image_tag(services: dict[str, dict], name: str) -> str:
+    image = services[name]["image"]
+    last = image.partition("@")[0].rsplit("/", 1)[-1]
+    return last.split(":", 1)[1] if ":" in last else ""
+
+
+def build_script_setting(name: str) -> str:
+    """``NAME="value"`` from .ci/otel-bins/build.sh."""
+    found = re.findall(rf'^{name}="([^"]*)"', BUILD_SCRIPT.read_text(), re.M)
+    assert len(found) == 1, f"build.sh should set {name} once: {found}"
+    return found[0]
+
+
+def go_mod_version(module_dir: Path, module: str) -> str:
+    found = re.findall(rf"^\s*{re.escape(module)} (v\S+)", (module_dir / "go.mod").read_text(),
+                       re.M)
+    assert len(found) == 1, f"{module_dir.name}/go.mod should require {module} once: {found}"
+    return found[0]
+
+
+def test_tests_build_the_prometheus_release_compose_ships(services: dict[str, dict]) -> None:
+    """The end-to-end and alert tests run Prometheus/promtool built from Go
+    modules (.ci/otel-bins/build.sh): the release docker-compose.yml ships.
+    (test_otel_bins_smoke.py checks the built binaries themselves.)"""
+    tag = image_tag(services, "prometheus")
+    assert re.fullmatch(r"v3\.\d+\.\d+", tag), f"prom/prometheus:{tag}: expected v3.x.y"
+    release = tag.removeprefix("v")
+    assert build_script_setting("PROMETHEUS_RELEASE") == release
+    # Prometheus 3.x's Go module is tagged v0.3<minor, 2 digits>.<patch>
+    # (release 3.5.0 is module version v0.305.0).
+    major, minor, patch = (int(x) for x in release.split("."))
+    module_version = f"v0.{major}{minor:02d}.{patch}"
+    assert build_script_setting("PROMETHEUS_VERSION") == module_version
+    assert go_mod_version(OTEL_BINS / "prometheus",
+                          "github.com/prometheus/prometheus") == module_version
+
+
+def test_tests_build_the_collector_release_compose_ships(services: dict[str, dict]) -> None:
+    tag = image_tag(services, "otel-collector")
+    assert build_script_setting("OTELCOL_RELEASE") == f"v{tag}"
+    for module in ("go.opentelemetry.io/collector/otelcol",
+                   "github.com/open-telemetry/opentelemetry-collector-contrib/"
+                   "exporter/prometheusexporter"):
+        assert go_mod_version(OTEL_BINS / "otelcol", module) == f"v{tag}", module
+
+
+def test_tests_build_the_jaeger_release_compose_ships(services: dict[str, dict]) -> None:
+    """Jaeger tags each release twice (v1.x module, v2.y program): build.sh
+    names both, and compose ships the v2 release of the module it builds."""
+    assert image_tag(services, "jaeger") == build_script_setting("JAEGER_RELEASE")
+    assert go_mod_version(OTEL_BINS / "jaeger", "github.com/jaegertracing/jaeger") == (
+        build_script_setting("JAEGER_VERSION"))
 
 
 def test_every_mounted_host_path_exists(services: dict[str, dict]) -> None:

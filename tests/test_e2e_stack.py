@@ -1,10 +1,11 @@
 """End to end with the real programs and the configs deploy/ ships.
 
-Jaeger v2 and the Collector are built from Go modules (.ci/otel-bins), the
-Prometheus server is Debian's; all listen on 127.0.0.1 with only ports and
-storage parametrised. Tempo cannot run here (its code is AGPL and not built):
-its OTLP intake is played by an in-process OTLP receiver, labelled as such.
-The real-vLLM harness runs two rank processes exporting OTLP to the Collector.
+Jaeger v2, the Collector and Prometheus 3.5.0 (the release docker-compose.yml
+ships) are built from Go modules (.ci/otel-bins); all listen on 127.0.0.1 with
+only ports and storage parametrised. Tempo cannot run here (its code is AGPL
+and not built): its OTLP intake is played by an in-process OTLP receiver,
+labelled as such. The real-vLLM harness runs two rank processes exporting OTLP
+to the Collector.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Smoke tests of the Go programs .ci/otel-bins/build.sh builds: Jaeger v2 and
-the project's Collector distribution (otelcol-kvobs), run on 127.0.0.1 with
-throwaway configs and fed by the real Python OTLP exporters (gRPC and HTTP).
+"""Smoke tests of the Go programs .ci/otel-bins/build.sh builds: Jaeger v2,
+the project's Collector distribution (otelcol-kvobs) and Prometheus 3.5.0 with
+promtool, run on 127.0.0.1 with throwaway configs and fed by the real Python
+OTLP exporters (gRPC and HTTP). The Collector and Prometheus are the releases
+docker-compose.yml ships (checked here against the built programs).
 
 The Collector config here uses every component the distribution ships but
 the ``bearertokenauth`` extension (tests/test_security_tls.py runs that one,
@@ -17,6 +19,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+import yaml
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
     OTLPSpanExporter as GrpcSpanExporter,
 )
@@ -35,6 +38,7 @@ from otel_servers import (
     http_get,
     otel_binaries,
     poll,
+    prometheus_binaries,
     start_collector,
     start_jaeger,
     start_prometheus,
@@ -45,6 +49,7 @@ from otlp_receiver import HttpReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
+OTEL_BINS = ROOT / ".ci" / "otel-bins"
 
 JAEGER_YAML = """
 service:
@@ -222,26 +227,80 @@ def jaeger_trace_ids(query_url: str, service: str) -> set[str]:
     return {t["traceID"] for t in get_json(f"{query_url}/api/traces?{q}").get("data") or []}
 
 
+def compose_image_tag(service: str) -> str:
+    """The image tag docker-compose.yml runs for ``service`` (``prom/prometheus:v3.5.0``
+    -> ``v3.5.0``)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    image = compose["services"][service]["image"]
+    _, sep, tag = image.rpartition(":")
+    assert sep and tag, f"{service}: image {image!r} has no tag"
+    return tag
+
+
+def version_of(binary: Path) -> str:
+    proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                          timeout=30, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
 @pytest.fixture(scope="session")
 def otel_bins() -> tuple[Path, Path]:
     return otel_binaries()
 
 
-def test_build_script_is_cached_and_prints_both_paths(otel_bins):
+@pytest.fixture(scope="session")
+def prom_bins() -> tuple[Path, Path]:
+    return prometheus_binaries()
+
+
+def test_build_script_is_cached_and_prints_every_path(otel_bins, prom_bins):
     # Cached means nothing is built again: the binaries are the same files.
-    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in otel_bins]
+    bins = [*otel_bins, *prom_bins]
+    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in bins]
     proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
                           timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines == [f"JAEGER={otel_bins[0]}", f"OTELCOL={otel_bins[1]}"], proc.stdout
-    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in otel_bins] == before
+    assert lines == [f"JAEGER={otel_bins[0]}", f"OTELCOL={otel_bins[1]}",
+                     f"PROMETHEUS={prom_bins[0]}", f"PROMTOOL={prom_bins[1]}"], proc.stdout
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in bins] == before
     assert "up to date" in proc.stderr and "building" not in proc.stderr
-    for p in otel_bins:
+    for p in bins:
         assert p.is_absolute() and ROOT not in p.parents
-    version = subprocess.run([str(otel_bins[1]), "--version"], capture_output=True,
-                             text=True, timeout=30)
-    assert re.search(r"otelcol-kvobs version v0\.\d+\.\d+", version.stdout), version.stdout
+    assert re.search(r"otelcol-kvobs version v0\.\d+\.\d+", version_of(otel_bins[1]))
+
+
+def test_built_prometheus_is_the_release_compose_ships(prom_bins):
+    tag = compose_image_tag("prometheus")  # prom/prometheus:v3.5.0
+    assert tag.startswith("v"), tag
+    release = tag[1:]
+    for binary, name in zip(prom_bins, ("prometheus", "promtool"), strict=True):
+        first = version_of(binary).splitlines()[0]
+        assert first.startswith(f"{name}, version {release} "), first
+    # The version above is stamped by build.sh (-X ...version.Version): check it
+    # against the source that was built, the VERSION file of the module
+    # prometheus/go.mod pins, in the module cache next to the binaries.
+    go_mod = (OTEL_BINS / "prometheus" / "go.mod").read_text()
+    (module_version,) = re.findall(r"^\s*github\.com/prometheus/prometheus (v\S+)", go_mod, re.M)
+    source = (prom_bins[0].parent.parent / "go" / "mod" / "github.com" / "prometheus"
+              / f"prometheus@{module_version}")
+    assert (source / "VERSION").is_file(), f"no module source at {source}"
+    assert (source / "VERSION").read_text().strip() == release
+
+
+def test_built_collector_is_the_release_compose_ships(otel_bins):
+    tag = compose_image_tag("otel-collector")  # otel/opentelemetry-collector-contrib:0.161.0
+    version = version_of(otel_bins[1])
+    assert re.search(rf"otelcol-kvobs version v{re.escape(tag)}\b", version), (tag, version)
+    # ... and every contrib module (and every v0 core module) the build pins is
+    # that release (the version string above is stamped by build.sh).
+    go_mod = (OTEL_BINS / "otelcol" / "go.mod").read_text()
+    pins = re.findall(r"^\s*(github\.com/open-telemetry/opentelemetry-collector-contrib/\S+"
+                      r"|go\.opentelemetry\.io/collector/\S+) (v0\.\S+)", go_mod, re.M)
+    assert pins
+    other = sorted(f"{module} {v}" for module, v in pins if v != f"v{tag}")
+    assert not other, other
 
 
 def test_jaeger_stores_spans_from_grpc_and_http_exporters(otel_bins, tmp_path):
@@ -381,6 +440,34 @@ def test_prometheus_scrapes_span_metrics(pipeline, tmp_path):
 
         rows = poll(result, timeout=30)
         assert rows and float(rows[0]["value"][1]) == 1.0
+
+
+def test_prometheus_runs_the_shipped_config_with_the_compose_flags(prom_bins, tmp_path):
+    """deploy/prometheus.yml and alerts.yml under the built Prometheus, started
+    with docker-compose.yml's command line (its config and storage paths aside):
+    every flag is known, every shipped rule loads, and the server reports the
+    release compose ships."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    command = [str(a) for a in compose["services"]["prometheus"]["command"]]
+    flags = [a for a in command if not a.startswith(("--config.file=", "--storage.tsdb.path="))]
+    assert "--enable-feature=exemplar-storage" in flags, command
+    for name in ("prometheus.yml", "alerts.yml"):
+        (tmp_path / name).write_text((DEPLOY / name).read_text())
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with start_prometheus(tmp_path / "prometheus.yml", tmp_path / "tsdb", port, args=flags,
+                          log_dir=tmp_path) as prom:
+        build = get_json(f"{base}/api/v1/status/buildinfo")["data"]
+        assert build["version"] == compose_image_tag("prometheus").removeprefix("v"), build
+        features = get_json(f"{base}/api/v1/status/flags")["data"]["enable-feature"]
+        assert "exemplar-storage" in features.split(","), features
+        loaded = {(g["name"], r["name"]) for g in
+                  get_json(f"{base}/api/v1/rules")["data"]["groups"] for r in g["rules"]}
+        shipped = yaml.safe_load((DEPLOY / "alerts.yml").read_text())["groups"]
+        assert loaded == {(g["name"], r.get("alert") or r.get("record"))
+                          for g in shipped for r in g["rules"]}
+        log = prom.log_text()
+    assert "Unknown option" not in log and "level=ERROR" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("name,binary", [("otel-collector.yaml", "otelcol"),

@@ -356,7 +356,7 @@ def test_rank_from_resource_and_unknown_lanes() -> None:
 def _chromium() -> str:
     if shutil.which(CHROMIUM) or os.path.exists(CHROMIUM):
         return CHROMIUM
-    if os.geteuid() == 0:  # as the project does for Prometheus: install Debian's package
+    if os.geteuid() == 0:  # as .ci/setup-servers.sh does: install Debian's package
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True,
                        timeout=600)

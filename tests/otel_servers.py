@@ -136,11 +136,12 @@ def poll(fn, timeout: float = 30.0, interval: float = 0.3):
         time.sleep(interval)
 
 
-def wait_for(fn, what: str, timeout: float = 30.0, interval: float = 0.3):
+def wait_for(fn, what, timeout: float = 30.0, interval: float = 0.3):
     """``poll``, failing the test when ``fn`` never becomes truthy: a wait
-    whose condition never comes is a failure, not a silent pass."""
+    whose condition never comes is a failure, not a silent pass. ``what``
+    names it: a string, or a callable giving one (with the figures then)."""
     value = poll(fn, timeout, interval)
-    assert value, f"timed out after {timeout:g} s waiting for {what}"
+    assert value, f"timed out after {timeout:g} s waiting for {what() if callable(what) else what}"
     return value
 
 

@@ -217,7 +217,11 @@ def test_collector_killed_and_restarted_mid_run(monkeypatch, stats, tmp_path):
         try:
             with Harness(HarnessConfig(num_ranks=2)) as h:
                 run_workload(h, "before", 4)
+                # Everything built so far out of the export stage too: a span
+                # the Collector accepted just before it is killed dies with it.
                 current_pipeline().flush()
+                for o in current_pipeline().observers:
+                    o.providers.tracer_provider.force_flush(10_000)
                 wait_for(lambda: stats.snapshot()[0] > 0 and len(received_ids(rx))
                          == stats.snapshot()[0], "the first spans at the Collector")
                 col.proc.kill()  # a crash, not a clean stop
@@ -230,7 +234,8 @@ def test_collector_killed_and_restarted_mid_run(monkeypatch, stats, tmp_path):
                 run_workload(h, "after", 4)
             kvobs_otel.uninstrument()
             sent, dropped, _ = stats.snapshot()
-            wait_for(lambda: len(received_ids(rx)) >= sent, "every delivered span")
+            wait_for(lambda: len(received_ids(rx)) >= sent,
+                     lambda: f"every delivered span ({len(received_ids(rx))} of {sent})")
             # The loss reached the Collector once it was back.
             wait_for(lambda: latest_total(rx, "kvobs.observer.dropped", reason="export_failed")
                      == dropped["export_failed"], "the loss reported through the Collector")

@@ -107,16 +107,19 @@ def assert_traces_hold(truth: dict[tuple[str, int], Recovery], ranks: set[int],
             assert job is not None, f"{key}: the restore job {job_id} has no kv.job"
             assert set(job.attrs["kvobs.receipt.ranks"]) == ranks, (key, job.attrs)
             assert job.attrs["kvobs.outcome"] == "complete", (key, job.attrs)
+            # A restore is the job's child (the span model), not only named by it.
             moved = {_rank(s) for s in trace if s.name == "kv.transfer"
-                     and s.attrs["kvobs.job.id"] == job_id
+                     and s.attrs["kvobs.job.id"] == job_id and s.parent_id == job.span_id
                      and s.attrs["kvobs.outcome"] == "ok"}
             assert moved == ranks, f"{key}: job {job_id} restored on ranks {sorted(moved)}"
         admissions = [s for s in trace if s.name == "kv.admission"]
-        computed = Counter(_rank(s) for s in trace if s.name == "kv.first_compute")
         if rec.resumed:
             assert len(admissions) == 1, f"{key}: {len(admissions)} admissions"
+            computed = Counter(_rank(s) for s in trace if s.name == "kv.first_compute"
+                               and s.parent_id == admissions[0].span_id)
             assert computed == Counter(ranks), f"{key}: first computes {dict(computed)}"
         else:
+            computed = Counter(_rank(s) for s in trace if s.name == "kv.first_compute")
             assert not admissions and not computed, f"{key}: admitted, never resumed"
     return len(truth)
 

@@ -466,3 +466,31 @@ def test_live_v1_counts_every_malformed_record_and_keeps_the_chain(
     spans = feed(fork, v1._observers, case[0])
     assert_counted_and_joined(fork, spans, case[1], "process")
     assert v1.effective_evidence_requests() == ()  # never asked the host for evidence
+
+
+def _at_bounds(records: tuple[Any, ...], ints: dict[str, tuple[int, int]],
+               replace: Any) -> list[tuple[str, str, int, Any]]:
+    """(event, field, value, record) for each integer a record carries, at
+    each bound and one past it (hypothesis rarely draws the exact edge)."""
+    out = []
+    for rec in records:
+        for name, (low, high) in ints.items():
+            if getattr(rec, name, None) is None:
+                continue
+            for value in (low - 1, low, high, high + 1):
+                out.append((rec.event.value, name, value, replace(rec, **{name: value})))
+    return out
+
+
+@pytest.mark.parametrize("check,cases,ints", [
+    (R.check_v1, _at_bounds(V1_RECORDS, V1_INTS, dataclasses.replace), V1_INTS),
+    (R.check_v2, _at_bounds(V2_CHAIN, V2_INTS, v2_replace), V2_INTS)], ids=["v1", "v2"])
+def test_integer_bounds_are_exact_on_both_sides(check: Any, cases: list, ints: dict) -> None:
+    assert cases
+    for event, name, value, record in cases:
+        low, high = ints[name]
+        got, reason = check(record)
+        if low <= value <= high:
+            assert got is not None, (event, name, value, reason)
+        else:
+            assert (got, reason) == (None, R.BAD_NUMBER), (event, name, value)

@@ -35,9 +35,7 @@ from importlib import metadata
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, Result, apply_clean_env, progress, single_thread_torch
-
-# Written by --record; the source of the figures in README.md and docs/benchmarks.md.
-RESULTS_FILE = os.path.join("benchmarks", "results", "latest.json")
+from benchmarks.report import RESULTS as RESULTS_FILE
 
 REGISTRY: list[tuple[str, str]] = [
     ("B1", "benchmarks.b1_seam_cost"),

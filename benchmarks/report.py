@@ -39,9 +39,6 @@ DOCS = os.path.join("docs", "benchmarks.md")
 README_MARKERS = ("<!-- bench:readme:begin -->", "<!-- bench:readme:end -->")
 DOCS_MARKERS = ("<!-- bench:results:begin -->", "<!-- bench:results:end -->")
 
-# Goals recorded before the JSON carried each goal's format: the formats
-# benchmarks/common.py's Goal used for these units.
-_FMT_BY_UNIT = {"x": ".3f", " us": ".2f"}
 
 
 class BadInput(Exception):
@@ -92,7 +89,7 @@ def validate(report: Any, where: str = "results") -> None:
         for key in ("title", "seconds", "goals", "info"):
             _need(res, key, f"{where}: results.{name}")
         for i, goal in enumerate(res["goals"]):
-            for key in ("name", "unit", "op", "target", "met", "spread"):
+            for key in ("name", "unit", "op", "target", "met", "spread", "fmt"):
                 _need(goal, key, f"{where}: results.{name}.goals[{i}]")
             for key in ("median", "p25", "p75", "min", "max", "n"):
                 _need(goal["spread"], key, f"{where}: results.{name}.goals[{i}].spread")
@@ -124,16 +121,12 @@ def header(report: dict[str, Any], cited: str) -> str:
             f"**{report['goals_met']} of {report['goals_total']} goal lines met.**")
 
 
-def _fmt(goal: dict[str, Any]) -> str:
-    return goal.get("fmt") or _FMT_BY_UNIT.get(goal["unit"], ".0f")
-
-
 def measured(goal: dict[str, Any]) -> str:
     """The goal's figure exactly as its goal line printed it (Spread.text)."""
     s = goal["spread"]
     spread = Spread(*(math.nan if s[k] is None else s[k]
                       for k in ("median", "p25", "p75", "min", "max")), n=s["n"])
-    return spread.text(_fmt(goal), goal["unit"])
+    return spread.text(goal["fmt"], goal["unit"])
 
 
 def target(goal: dict[str, Any]) -> str:

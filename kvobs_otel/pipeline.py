@@ -161,12 +161,12 @@ class Pipeline:
                        exported=lambda: {"spans": self.exported_spans()})
         return providers
 
-    def close_process_metrics(self, timeout_s: float | None = None) -> None:
+    def close_process_metrics(self) -> None:
         providers, self.process_metrics = self.process_metrics, None
         if providers is not None:
             self.log_final_counts()
             try:
-                providers.close(METRICS_CLOSE_TIMEOUT_S if timeout_s is None else timeout_s)
+                providers.close(METRICS_CLOSE_TIMEOUT_S)
             except Exception:
                 self.count_error("export_shutdown")
 

@@ -144,10 +144,6 @@ class Providers:
     # every export stage of the tracer provider (their shutdown is bounded by close)
     stages: list[CountingSpanProcessor] = field(default_factory=list)
 
-    def flush(self, timeout_ms: int = 10000) -> None:
-        self.tracer_provider.force_flush(timeout_ms)
-        self.meter_provider.force_flush(timeout_ms)
-
     def close(self, timeout_s: float = 10.0) -> None:
         """Flush and shut down within ``timeout_s``, even when the endpoint
         accepts connections and never answers: what is unanswered by then is

@@ -29,6 +29,11 @@ class EventBuffer:
         self.accepted += 1
         return True
 
+    def put_control(self, event: tuple[Any, ...]) -> None:
+        """A control (a role's registration or close) in order among the
+        events; never dropped, so not held to the bound (there are few)."""
+        self._q.append(event)
+
     def drain(self, limit: int = 4096) -> list[tuple[Any, ...]]:
         """Take up to ``limit`` events in arrival order (drain thread only)."""
         q = self._q

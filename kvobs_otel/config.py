@@ -21,6 +21,9 @@ ENV_DRAIN_INTERVAL = "KVOBS_OTEL_DRAIN_INTERVAL_S"
 ENV_DEVICE_TYPE = "KVOBS_OTEL_DEVICE_TYPE"
 ENV_REQUEST_ID_KEY = "KVOBS_OTEL_REQUEST_ID_KEY"
 ENV_REQUEST_ID_KEY_FILE = "KVOBS_OTEL_REQUEST_ID_KEY_FILE"
+ENV_EXPORT = "KVOBS_OTEL_EXPORT"
+EXPORT_SIDECAR = "sidecar"
+EXPORT_IN_PROCESS = "in-process"
 MIN_KEY_BYTES = 16
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -50,6 +53,11 @@ class Settings:
     # When set, request ids are exported only as a keyed hash (HMAC-SHA256);
     # every process of a deployment must share the key so traces still join.
     request_id_key: bytes | None = field(default=None, repr=False)
+    # Where events become spans and OTLP: a sidecar process per vLLM process
+    # (the default: the export work then never competes with vLLM for its
+    # GIL), or the vLLM process's own drain thread (where a child process is
+    # unwelcome).
+    export: str = EXPORT_SIDECAR
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -108,7 +116,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     device = env.get(ENV_DEVICE_TYPE, "auto").strip().lower() or "auto"
     if device not in {"auto", "cuda", "npu", "cpu", "xpu", "rocm"}:
         raise ConfigError(f"{ENV_DEVICE_TYPE}={device!r}: expected auto/cuda/npu/cpu/xpu/rocm")
+    export = env.get(ENV_EXPORT, EXPORT_SIDECAR).strip().lower() or EXPORT_SIDECAR
+    if export not in (EXPORT_SIDECAR, EXPORT_IN_PROCESS):
+        raise ConfigError(f"{ENV_EXPORT}={export!r}: expected {EXPORT_SIDECAR} or "
+                          f"{EXPORT_IN_PROCESS}")
     return Settings(
+        export=export,
         enabled=_bool(env, ENV_ENABLED, False),
         receipt_deadline_s=_number(env, ENV_RECEIPT_DEADLINE, 5.0, float, 0.01, 3600.0),
         buffer_size=int(_number(env, ENV_BUFFER_SIZE, 65536, int, 16, 1 << 24)),

@@ -191,12 +191,12 @@ def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
 
 
 def _dropped_from_log(log: str) -> dict[str, int]:
-    """The drops the vLLM processes reported at exit (Pipeline.log_final_counts)."""
+    """The drops the vLLM processes reported at exit (ObserverSet.log_final_counts)."""
     out: Counter[str] = Counter()
     try:
         with open(log, errors="replace") as f:
             for line in f:
-                if "observations dropped in this process (" in line:
+                if "observations dropped in process " in line:
                     for part in line.split("(", 1)[1].split(")", 1)[0].split(", "):
                         k, _, v = part.partition("=")
                         out[k] += int(v) if v.isdigit() else 0

@@ -1,12 +1,16 @@
-"""The export pipeline of one process.
+"""What stays in the vLLM process: the bounded buffer and its drain.
 
-serving thread --offer()--> EventBuffer --drain thread--> lifecycle state
-machines --records--> span/metric builders --> private providers
-(BatchSpanProcessor, periodic metric reader) --> OTLP.
+serving thread --offer()--> EventBuffer --drain thread--> export side
 
-One ``Pipeline`` per process (recreated in a forked child); one ``Observer``
-per observed connector role, each with its own providers so its resource
-says which role and rank it is.
+The export side (``observers.py``: lifecycle state machines, span and metric
+builders, providers, OTLP) runs in a sidecar process by default: the drain
+thread only pickles the plain event tuples into a pipe (``sidecar/``). With
+``KVOBS_OTEL_EXPORT=in-process`` (or when the sidecar failed too often) it
+runs on the drain thread itself.
+
+One ``Pipeline`` per process (recreated in a forked child). Each observed
+connector role registers once and gets a key; its events are tuples
+``(key, kind, t_ns, *fields)``.
 """
 
 from __future__ import annotations
@@ -14,93 +18,46 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvobs_otel import identity
 from kvobs_otel.buffer import EventBuffer
-from kvobs_otel.config import Settings
+from kvobs_otel.config import EXPORT_IN_PROCESS, Settings
+from kvobs_otel.observers import (
+    CLOSE_TIMEOUT_S,
+    CONTROL_KEY,
+    ERROR_STAGES,
+    METRICS_CLOSE_TIMEOUT_S,
+    REGISTER,
+    LifecycleSpec,
+    Observer,
+    ObserverSet,
+)
 
 logger = logging.getLogger("kvobs_otel")
 
-# Every stage is reported from the start (at 0), so dashboards and alerts see
-# a series before the first failure.
-ERROR_STAGES = ("seam", "lifecycle", "deadline", "span_build", "metric_record",
-                "shutdown", "export_shutdown")
+__all__ = ["CLOSE_TIMEOUT_S", "METRICS_CLOSE_TIMEOUT_S", "ERROR_STAGES", "Pipeline",
+           "close_pipeline", "current_pipeline", "get_pipeline"]
 
 
-class Observer:
-    """Lifecycle + builders + providers for one connector role instance."""
-
-    def __init__(self, pipeline: Pipeline, make_lifecycle: Callable[[Any], Any],
-                 resource_attributes: dict[str, Any]) -> None:
-        # Imported here: with observation disabled the SDK is never imported.
-        from kvobs_otel.telemetry.metrics import MetricsBuilder
-        from kvobs_otel.telemetry.providers import make_providers
-        from kvobs_otel.telemetry.spans import SpanBuilder
-
-        s = pipeline.settings
-        self.pipeline = pipeline
-        self.providers = make_providers(resource_attributes)
-        self.spans = SpanBuilder(self.providers, s.traffic_sample_ratio, s.roster_cap)
-        self.pseudonym = (identity.RequestIdHasher(s.request_id_key)
-                          if s.request_id_key else None)
-        self.lifecycle = lc = make_lifecycle(self)
-        # Drops, errors and deliveries are per process: the pipeline reports them.
-        self.metrics = MetricsBuilder(
-            self.providers,
-            open_receipts=((lambda: lc.open_receipts) if hasattr(lc, "open_receipts") else None),
-            anomalies=lc.anomalies, refused=getattr(lc, "refusals", None),
-            scheduler=lc.role == "scheduler",
-            worker_rank=getattr(lc, "rank", None) if lc.role == "worker" else None)
-        self.closed = False
-
-    # RecordSink
-    def emit(self, record: Any) -> None:
-        if self.pseudonym is not None:
-            try:
-                self.pseudonym.apply(record)
-            except Exception:
-                self.pipeline.count_error("span_build")
-                return  # never export the raw id instead
-        try:
-            self.spans.build(record)
-        except Exception:
-            self.pipeline.count_error("span_build")
-        try:
-            self.metrics.record(record)
-        except Exception:
-            self.pipeline.count_error("metric_record")
-
-    def tick(self, now: int) -> None:
-        tick = getattr(self.lifecycle, "tick", None)
-        if tick is not None:
-            tick(now)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Drain what this process recorded, then flush and stop exporting."""
-        if self.closed:
-            return
-        self.closed = True
-        self.pipeline.flush()
-        try:
-            self.providers.close(timeout_s)
-        except Exception:
-            self.pipeline.count_error("export_shutdown")
-        self.pipeline.unregister(self)
+def _overrides_set() -> bool:
+    # Tests and the demo hand exporters of this process to the providers:
+    # those cannot move to a sidecar. Read without importing the SDK.
+    providers = sys.modules.get("kvobs_otel.telemetry.providers")
+    o = getattr(providers, "_overrides", None)
+    return o is not None and (o.span_processor is not None or o.metric_reader is not None)
 
 
 class Pipeline:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, in_process: bool = False) -> None:
         self.settings = settings
         self.buffer = EventBuffer(settings.buffer_size)
         self.offer = self.buffer.offer  # the serving path's only call
-        self.observers: list[Observer] = []
-        self.process_metrics: Any = None
-        self._errors: Counter[str] = Counter(dict.fromkeys(ERROR_STAGES, 0))
+        self._errors: Counter[str] = Counter()
         self._logged: set[str] = set()
         # Reentrant: a consumer may register an observer while being drained
         # (the vLLM-HUST adapter makes one per role and rank it first sees).
@@ -109,86 +66,130 @@ class Pipeline:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        self._next_key = 1
+        self._keys = threading.Lock()
+        self._retired_lost = 0  # sidecar_lost of a link given up on
+        # key -> (spec, resource, progress): what a (re)started sidecar is told
+        self.registered: dict[int, tuple[LifecycleSpec, dict[str, Any],
+                                         Callable[[], int] | None]] = {}
+        self.local: ObserverSet | None = None
+        self.link: Any = None  # sidecar.link.SidecarLink
+        if in_process or settings.export == EXPORT_IN_PROCESS or _overrides_set():
+            self.local = ObserverSet(settings)
+        else:
+            from kvobs_otel.sidecar.link import SidecarLink
+
+            self.link = SidecarLink(self)
+            self.link.start()
+
+    @property
+    def observers(self) -> list[Observer]:
+        """The in-process observers (none when a sidecar exports)."""
+        return list(self.local.observers.values()) if self.local is not None else []
 
     # -- counters ----------------------------------------------------------------
-    def count_error(self, stage: str) -> None:
+    def count_error(self, stage: str, quiet: bool = False) -> None:
+        """Count an internal failure; log the first of each stage (with its
+        traceback) unless ``quiet`` (the caller said it already)."""
         self._errors[stage] += 1
-        if stage not in self._logged:
+        if not quiet and stage not in self._logged:
             # Once per stage, not per event: a broken stage must not flood logs.
             self._logged.add(stage)
             logger.warning("kvobs-otel: internal failure in %s (contained, counted; "
                            "further ones are only counted)", stage, exc_info=True)
 
-    def error_counts(self) -> dict[str, int]:
-        from kvobs_otel.telemetry import export
+    def own_drops(self) -> dict[str, int]:
+        """What this process lost before the export side saw it."""
+        lost = self._retired_lost + (self.link.lost if self.link is not None else 0)
+        out = {"buffer_full": self.buffer.dropped_full}
+        if lost or self.settings.export != EXPORT_IN_PROCESS:
+            out["sidecar_lost"] = lost
+        return out
 
-        return {**self._errors, **export.STATS.snapshot()[2]}
+    def own_errors(self) -> dict[str, int]:
+        return dict(self._errors)
+
+    def error_counts(self) -> dict[str, int]:
+        if self.local is not None:
+            self._share_counts(self.local)
+            return self.local.error_counts()
+        return {**dict.fromkeys(ERROR_STAGES, 0), **self._errors}
 
     def drop_counts(self) -> dict[str, int]:
-        """Everything recorded but not delivered, by where it was lost."""
-        from kvobs_otel.telemetry import export
+        """Everything recorded but not delivered, by where it was lost (the
+        export side's own losses only when it runs in this process)."""
+        if self.local is not None:
+            self._share_counts(self.local)
+            return self.local.drop_counts()
+        return self.own_drops()
 
-        return {"buffer_full": self.buffer.dropped_full, **export.STATS.snapshot()[1]}
+    def exported_spans(self) -> int:
+        return self.local.exported_spans() if self.local is not None else 0
 
-    @staticmethod
-    def exported_spans() -> int:
-        from kvobs_otel.telemetry import export
-
-        return export.STATS.snapshot()[0]
+    def _share_counts(self, local: ObserverSet) -> None:
+        local.remote_drops = self.own_drops()
+        local.remote_errors = self.own_errors()
 
     # -- observers -------------------------------------------------------------------
-    def register(self, observer: Observer) -> None:
-        with self._lock:
-            self.observers.append(observer)
-            if self.process_metrics is None:
-                self.process_metrics = self._make_process_metrics()
+    def register(self, spec: LifecycleSpec, resource: dict[str, Any],
+                 progress: Callable[[], int] | None = None) -> int:
+        """A new observed role; returns the key its events carry."""
+        if self.link is not None:
+            # Called on vLLM's thread (connector init): never waits for the
+            # drain thread, which may be waiting on the pipe.
+            with self._keys:
+                key = self._new_key(spec, resource, progress)
+            self.link.register(key, spec, resource, progress is not None)
+        else:
+            with self._lock:
+                key = self._new_key(spec, resource, progress)
+                if self.local is not None:
+                    self._share_counts(self.local)
+                    self.local.add(key, spec, resource, progress is not None)
+                else:  # the sidecar was given up on just now
+                    self.buffer.put_control((CONTROL_KEY, REGISTER, key, spec, resource,
+                                             progress is not None))
         self._ensure_thread()
+        return key
 
-    def _make_process_metrics(self) -> Any:
-        """One meter for the process as a whole (drops, errors, deliveries):
-        reported once per process, by a resource that lives as long as it."""
-        import socket
+    def _new_key(self, spec: LifecycleSpec, resource: dict[str, Any],
+                 progress: Callable[[], int] | None) -> int:
+        key = self._next_key
+        self._next_key += 1
+        self.registered[key] = (spec, resource, progress)
+        return key
 
-        from kvobs_otel.telemetry.metrics import MetricsBuilder
-        from kvobs_otel.telemetry.providers import make_providers
+    def lifecycle(self, key: int) -> Any:
+        """An in-process observer's lifecycle (tests, the vLLM-HUST router)."""
+        obs = self.local.observers.get(key) if self.local is not None else None
+        return obs.lifecycle if obs is not None else None
 
-        # A stable identity: if a connector comes back later in this process,
-        # the counts continue the same series instead of starting a second.
-        providers = make_providers({"kvobs.role": "process", "service.instance.id":
-                                    f"{socket.gethostname()}:{os.getpid()}:process"},
-                                   traces=False)
-        MetricsBuilder(providers, drops=self.drop_counts, errors=self.error_counts,
-                       exported=lambda: {"spans": self.exported_spans()})
-        return providers
-
-    def close_process_metrics(self) -> None:
-        providers, self.process_metrics = self.process_metrics, None
-        if providers is not None:
-            self.log_final_counts()
-            try:
-                providers.close(METRICS_CLOSE_TIMEOUT_S)
-            except Exception:
-                self.count_error("export_shutdown")
-
-    def log_final_counts(self) -> None:
-        """One line at the end of an observing process when anything was lost,
-        so that a loss is never silent even where no metrics are exported."""
-        drops = {k: v for k, v in self.drop_counts().items() if v}
-        if drops:
-            logger.warning("kvobs-otel: %d observations dropped in this process (%s); "
-                           "%d spans delivered", sum(drops.values()),
-                           ", ".join(f"{k}={v}" for k, v in sorted(drops.items())),
-                           self.exported_spans())
-
-    def unregister(self, observer: Observer) -> None:
+    def close_observer(self, key: int) -> None:
+        """The role shut down: export what it recorded, then close it. The
+        last one closes the process's export side (bounded)."""
         with self._lock:
-            if observer in self.observers:
-                self.observers.remove(observer)
-            last = not self.observers
-        if last:
-            # The connector shut down (vLLM's workers may leave through
-            # os._exit, skipping atexit): report the final counts now.
-            self.close_process_metrics()
+            if self.registered.pop(key, None) is None:
+                return
+            self._drain_locked()
+            if self.local is not None:
+                self._share_counts(self.local)
+                self.local.close_observer(key)
+            else:
+                self.link.close_observer(key)
+                if not self.registered:
+                    self.link.end(CLOSE_TIMEOUT_S + METRICS_CLOSE_TIMEOUT_S)
+
+    def fall_back_in_process(self) -> None:
+        """The sidecar failed past its restart budget: export from here,
+        as with KVOBS_OTEL_EXPORT=in-process (called with the lock held)."""
+        if self.link is not None:
+            self.link.retire()
+            self._retired_lost += self.link.lost
+            self.link = None
+        local = self.local = ObserverSet(self.settings)
+        self._share_counts(local)
+        for key, (spec, resource, progress) in self.registered.items():
+            local.add(key, spec, resource, progress is not None)
 
     # -- drain thread ------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -206,28 +207,38 @@ class Pipeline:
             self.drain_once()
 
     def drain_once(self) -> int:
-        """Process everything buffered now, then run deadlines. Thread-safe."""
-        n = 0
+        """Hand everything buffered now to the export side, then run its
+        deadlines. Thread-safe."""
         with self._lock:
-            while True:
-                batch = self.buffer.drain()
-                if not batch:
-                    break
-                n += len(batch)
-                for event in batch:
-                    try:
-                        event[0].handle(event)
-                    except Exception:
-                        self.count_error("lifecycle")
-            now = time.monotonic_ns()
-            for obs in self.observers:
-                try:
-                    obs.tick(now)
-                except Exception:
-                    self.count_error("deadline")
+            return self._drain_locked()
+
+    def _drain_locked(self) -> int:
+        n = 0
+        while True:
+            batch = self.buffer.drain()
+            if not batch:
+                break
+            n += len(batch)
+            self._deliver(batch)
+        progress = {key: p() for key, (_s, _r, p) in list(self.registered.items())
+                    if p is not None}
+        if self.link is not None:
+            self.link.tick(progress)
+        if self.local is not None:
+            local = self.local
+            local.progress.update(progress)
+            local.tick(time.monotonic_ns())
         return n
 
+    def _deliver(self, batch: list[tuple[Any, ...]]) -> None:
+        if self.link is not None:
+            self.link.send_events(batch)
+        else:
+            self.local.handle(batch)  # type: ignore[union-attr]
+
     def flush(self) -> None:
+        """Everything recorded so far handed to the export side (in-process:
+        handled; sidecar: written to its pipe)."""
         self.drain_once()
 
     def stop(self) -> None:
@@ -237,30 +248,39 @@ class Pipeline:
             self._thread.join(timeout=1)
         self.drain_once()
 
+    def close(self) -> None:
+        """Flush and close the export side, bounded (uninstrument, exit)."""
+        self.stop()
+        with self._lock:
+            self.registered.clear()
+            if self.link is not None:
+                self.link.end(CLOSE_TIMEOUT_S + METRICS_CLOSE_TIMEOUT_S)
+            if self.local is not None:
+                self._share_counts(self.local)
+                self.local.close()
+
+    def after_fork_in_child(self) -> None:
+        """This process's copy, inherited by a forked child: let go of the
+        sidecar's pipe so the sidecar still sees its parent's end."""
+        if self.link is not None:
+            self.link.forget()
+
 
 _pipeline: Pipeline | None = None
 _pipeline_lock = threading.Lock()
 
 
-def get_pipeline(settings: Settings) -> Pipeline:
+def get_pipeline(settings: Settings, in_process: bool = False) -> Pipeline:
     """The process's pipeline, made on first use (and anew after a fork)."""
     global _pipeline
     with _pipeline_lock:
         if _pipeline is None or _pipeline._pid != os.getpid():
-            _pipeline = Pipeline(settings)
+            _pipeline = Pipeline(settings, in_process)
         return _pipeline
 
 
 def current_pipeline() -> Pipeline | None:
     return _pipeline
-
-
-# vLLM gives its EngineCore and workers 5 s after SIGTERM before it kills
-# them (--shutdown-timeout; vllm/v1/utils.py, shutdown): the final flush of
-# spans and counts must fit well inside that.
-CLOSE_TIMEOUT_S = 3.0
-# Then the process's own counts (delivered, dropped) get their final export.
-METRICS_CLOSE_TIMEOUT_S = 1.5
 
 
 def close_pipeline() -> None:
@@ -270,30 +290,17 @@ def close_pipeline() -> None:
         pipeline, _pipeline = _pipeline, None
     if pipeline is None or pipeline._pid != os.getpid():
         return
-    # Every observer's spans out first, so that the delivery counts the
-    # process meter exports last are final. One deadline for all of it: a
-    # hanging endpoint must not hold a shutting-down process for long.
-    deadline = time.monotonic() + CLOSE_TIMEOUT_S
-    pipeline.flush()
-    for observer in list(pipeline.observers):
-        try:
-            left = max(0.0, deadline - time.monotonic())
-            observer.providers.tracer_provider.force_flush(int(left * 1000))
-        except Exception:
-            pipeline.count_error("export_shutdown")
-    for observer in list(pipeline.observers):
-        observer.close(max(0.1, deadline - time.monotonic()))
-    pipeline.stop()
-    pipeline.close_process_metrics()  # last: the final delivery counts
+    pipeline.close()
 
 
 def _after_fork_in_child() -> None:
     # The child's copy of the buffer holds the parent's events and its drain
-    # thread does not exist: start clean. Observers made before the fork keep
-    # their (now stale) pipeline; connectors are built after worker start, so
-    # in practice they are made in the child.
+    # thread does not exist: start clean. Connectors are built after worker
+    # start, so in practice they are made in the child.
     global _pipeline
-    _pipeline = None
+    pipeline, _pipeline = _pipeline, None
+    if pipeline is not None:
+        pipeline.after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):

@@ -124,3 +124,35 @@ class HttpReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
+
+
+def received_ids(rx: HttpReceiver) -> list[tuple[str, str]]:
+    with rx.store.lock:
+        return [(s.trace_id, s.span_id) for s in rx.store.spans]
+
+
+def metric_values(rx: HttpReceiver, name: str, **match: str) -> list[tuple[str, float]]:
+    """(service.instance.id, value) of every point of ``name`` received."""
+    out = []
+    with rx.store.lock:
+        requests = list(rx.store.metric_requests)
+    for req in requests:
+        for rm in req.resource_metrics:
+            res = {a.key: a.value.string_value for a in rm.resource.attributes}
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name != name:
+                        continue
+                    for p in m.sum.data_points:
+                        attrs = {a.key: a.value.string_value for a in p.attributes}
+                        if all(attrs.get(k) == v for k, v in match.items()):
+                            out.append((res.get("service.instance.id", ""), p.as_int))
+    return out
+
+
+def latest_total(rx: HttpReceiver, name: str, **match: str) -> int:
+    """Sum over processes of the last (cumulative) value each reported."""
+    last: dict[str, float] = {}
+    for inst, v in metric_values(rx, name, **match):
+        last[inst] = v
+    return int(sum(last.values()))

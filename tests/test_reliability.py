@@ -29,7 +29,7 @@ from kvobs_otel.pipeline import CLOSE_TIMEOUT_S, METRICS_CLOSE_TIMEOUT_S, curren
 from kvobs_otel.telemetry import export
 
 from otel_servers import free_port, start_collector, wait_for
-from otlp_receiver import HttpReceiver
+from otlp_receiver import HttpReceiver, latest_total, metric_values, received_ids
 
 pytestmark = pytest.mark.vllm
 
@@ -174,38 +174,6 @@ def collector(tmp_path: Path, port: int, downstream: str):
     cfg = tmp_path / f"collector-{port}-{health}.yaml"
     cfg.write_text(COLLECTOR.format(port=port, health=health, downstream=downstream))
     return start_collector(cfg, ready_url=f"http://127.0.0.1:{health}/")
-
-
-def received_ids(rx: HttpReceiver) -> list[tuple[str, str]]:
-    with rx.store.lock:
-        return [(s.trace_id, s.span_id) for s in rx.store.spans]
-
-
-def metric_values(rx: HttpReceiver, name: str, **match: str) -> list[tuple[str, float]]:
-    """(service.instance.id, value) of every point of ``name`` received."""
-    out = []
-    with rx.store.lock:
-        requests = list(rx.store.metric_requests)
-    for req in requests:
-        for rm in req.resource_metrics:
-            res = {a.key: a.value.string_value for a in rm.resource.attributes}
-            for sm in rm.scope_metrics:
-                for m in sm.metrics:
-                    if m.name != name:
-                        continue
-                    for p in m.sum.data_points:
-                        attrs = {a.key: a.value.string_value for a in p.attributes}
-                        if all(attrs.get(k) == v for k, v in match.items()):
-                            out.append((res.get("service.instance.id", ""), p.as_int))
-    return out
-
-
-def latest_total(rx: HttpReceiver, name: str, **match: str) -> int:
-    """Sum over processes of the last (cumulative) value each reported."""
-    last: dict[str, float] = {}
-    for inst, v in metric_values(rx, name, **match):
-        last[inst] = v
-    return int(sum(last.values()))
 
 
 def test_collector_killed_and_restarted_mid_run(monkeypatch, stats, tmp_path):

@@ -75,6 +75,8 @@ def _rank_main(conn: Connection, rank: int, env: dict[str, str], payload: bytes)
                 conn.send(reply)
             elif op == "shutdown":
                 break
+            elif op == "os_exit":
+                os._exit(arg)
             else:
                 raise ValueError(f"unknown op {op!r}")
     except BaseException:
@@ -108,12 +110,29 @@ def _call(runner: Any, name: str, *args: Any) -> Any:
         return runner.check_request_kv(*args)
     if name == "pid":
         return os.getpid()
+    if name == "observation":
+        return _observation()
     if name == "calls":
         return list(getattr(runner.connector, "calls", []))
     if name == "connector_class":
         cls = type(runner.connector)
         return f"{cls.__module__}.{cls.__qualname__}"
     raise ValueError(f"unknown call {name!r}")
+
+
+def _observation() -> dict[str, Any] | None:
+    """Everything this rank recorded handed to its export side; where that
+    runs and what this process counted."""
+    from kvobs_otel.pipeline import current_pipeline
+
+    p = current_pipeline()
+    if p is None:
+        return None
+    p.flush()
+    link = p.link
+    return {"export": "sidecar" if link is not None else "in-process",
+            "sidecar_pid": link.pid if link is not None else None,
+            "buffered": len(p.buffer), "drops": p.drop_counts(), "errors": p.error_counts()}
 
 
 class ProcessRank:
@@ -160,6 +179,11 @@ class ProcessRank:
         if tag != "ok":
             raise RankProcessError(value)
         return value
+
+    def exit_now(self, code: int = 0) -> None:
+        """The rank leaves through ``os._exit`` at once (no shutdown, no
+        atexit), as a worker killed mid-step by a C extension would."""
+        self._conn.send(("os_exit", code))
 
     def _recv(self, timeout: float) -> tuple[str, Any]:
         if not self._conn.poll(timeout):

@@ -119,12 +119,14 @@ def validate_exporter_env() -> None:
 
 def make_resource(attributes: dict[str, Any]) -> Resource:
     """Our attributes, overridable by OTEL_RESOURCE_ATTRIBUTES/OTEL_SERVICE_NAME."""
+    # The observed process's pid: a sidecar exports for its vLLM process.
+    pid = attributes.get("process.pid", os.getpid())
     base = {
         "service.name": SERVICE_NAME_DEFAULT,
         "service.version": __version__,
-        "service.instance.id": f"{socket.gethostname()}:{os.getpid()}:{id(attributes):x}",
+        "service.instance.id": f"{socket.gethostname()}:{pid}:{id(attributes):x}",
         "host.name": socket.gethostname(),
-        "process.pid": os.getpid(),
+        "process.pid": pid,
     }
     base.update({k: v for k, v in attributes.items() if v is not None})
     # The user's OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME win over ours.

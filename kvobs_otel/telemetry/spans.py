@@ -81,7 +81,8 @@ class SpanBuilder:
     every id and timestamp is known already, and the tracer API would only
     add per-span cost (context, sampler, locks)."""
 
-    def __init__(self, providers: Providers, traffic_ratio: float, roster_cap: int) -> None:
+    def __init__(self, providers: Providers, traffic_ratio: float, roster_cap: int,
+                 offset_ns: int | None = None) -> None:
         self.sink = providers.spans
         self.resource = providers.resource
         self.scope = InstrumentationScope(SCOPE, __version__)
@@ -89,8 +90,9 @@ class SpanBuilder:
         self.encoder = SpanEncoder() if self.encoded_sinks else None
         self.ratio = traffic_ratio
         self.cap = roster_cap
-        # monotonic -> wall clock, once per process (explicit span timestamps)
-        self.offset_ns = time.time_ns() - time.monotonic_ns()
+        # monotonic -> wall clock, once per observed process (explicit span
+        # timestamps; a sidecar is given its vLLM process's)
+        self.offset_ns = (time.time_ns() - time.monotonic_ns()) if offset_ns is None else offset_ns
         self.spans_built = 0
         self.unsampled = 0
 

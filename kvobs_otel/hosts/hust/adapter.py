@@ -28,12 +28,12 @@ from kvobs_otel.hosts.platform import device_type, vllm_version
 from kvobs_otel.telemetry import attributes as A
 
 if TYPE_CHECKING:  # the pipeline (and the SDK) load only once observation is on
-    from kvobs_otel.pipeline import Observer, Pipeline
+    from kvobs_otel.pipeline import Pipeline
 
 logger = logging.getLogger("kvobs_otel")
 
 HOST = "vllm-hust"
-_RECORD = 1  # event kind: (router, _RECORD, t_ns, record)
+_RECORD = 1  # event kind: (router's key, _RECORD, t_ns, record)
 
 
 class Router:
@@ -43,8 +43,6 @@ class Router:
 
     def __init__(self, pipeline: Pipeline, settings: Settings, detection: contracts.Detection
                  ) -> None:
-        from kvobs_otel.pipeline import Observer
-
         self.pipeline = pipeline
         self.settings = settings
         self.contract = detection.chosen
@@ -54,9 +52,8 @@ class Router:
             self.refused[reason] += 1
         self._logged: set[str] = set()
         self.gen = identity.new_generation()  # v1 records carry none: ours
-        self.roles: dict[tuple[str, int | None], Observer] = {}
-        self.observer = Observer(pipeline, lambda _sink: self, self._resource("host", None))
-        pipeline.register(self.observer)
+        self.roles: dict[tuple[str, int | None], int] = {}  # -> observer key
+        self.key = pipeline.register((lambda sink: self, {}), self._resource("host", None))
 
     # Observer's lifecycle protocol (the host observer has no spans of its own)
     def refusals(self) -> dict[str, int]:
@@ -83,15 +80,12 @@ class Router:
                            "only counted in kvobs.host.refused", reason)
 
     def _lifecycle(self, role: str, rank: int | None) -> Any:
-        obs = self.roles.get((role, rank))
-        if obs is None:
-            from kvobs_otel.pipeline import Observer
-
+        key = self.roles.get((role, rank))
+        if key is None:
             make = lifecycle.lifecycle_for(self.contract is contracts.V2, role, rank, self.gen)
-            obs = self.roles[(role, rank)] = Observer(self.pipeline, make,
-                                                      self._resource(role, rank))
-            self.pipeline.register(obs)
-        return obs.lifecycle
+            key = self.roles[(role, rank)] = self.pipeline.register(
+                (lambda sink: make(sink), {}), self._resource(role, rank))
+        return self.pipeline.lifecycle(key)
 
     def handle(self, event: tuple[Any, ...]) -> None:
         t, record = event[2], event[3]
@@ -111,15 +105,15 @@ class Router:
     def close(self) -> None:
         now = time.monotonic_ns()
         self.pipeline.flush()
-        for obs in list(self.roles.values()):
-            shutdown = getattr(obs.lifecycle, "shutdown", None)
+        for key in list(self.roles.values()):
+            shutdown = getattr(self.pipeline.lifecycle(key), "shutdown", None)
             if shutdown is not None:
                 try:
                     shutdown(now)
                 except Exception:
                     self.pipeline.count_error("shutdown")
-            obs.close()
-        self.observer.close()
+            self.pipeline.close_observer(key)
+        self.pipeline.close_observer(self.key)
 
 
 class Adapter:
@@ -137,7 +131,10 @@ class Adapter:
     def attach(self, settings: Settings, detection: contracts.Detection) -> bool:
         from kvobs_otel.pipeline import get_pipeline
 
-        pipeline = get_pipeline(settings)
+        # In-process: the fork hands its own frozen record objects, validated
+        # on the drain thread; a sidecar would have to import the fork (all of
+        # vLLM) to unpickle them.
+        pipeline = get_pipeline(settings, in_process=True)
         self.router = router = Router(pipeline, settings, detection)
         chosen = detection.chosen
         if chosen is None:
@@ -146,11 +143,12 @@ class Adapter:
         offer = pipeline.offer
         now = time.monotonic_ns
         live = self.live
+        key = router.key
 
         def observe(record: Any) -> None:
             if live[0]:
                 try:
-                    offer((router, _RECORD, now(), record))
+                    offer((key, _RECORD, now(), record))
                 except Exception:
                     pipeline.count_error("seam")
             return None

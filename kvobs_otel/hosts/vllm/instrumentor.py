@@ -237,37 +237,18 @@ def choose_release(settings: Settings) -> releases.Release | None:
     return None
 
 
-class _Refused:
-    """What a refused process exports: its refusal, counted (the alert
-    KvobsVllmRefused fires on it), and nothing else."""
-
-    role = "host"
-
-    def __init__(self, reason: str) -> None:
-        self.refused = dict.fromkeys(releases.REFUSAL_REASONS, 0)
-        self.refused[reason] = 1
-
-    def refusals(self) -> dict[str, int]:
-        return dict(self.refused)
-
-    def anomalies(self) -> dict[str, int]:
-        return {}
-
-    def handle(self, event: tuple[Any, ...]) -> None:
-        pass
-
-
 def _export_refusal(settings: Settings, sel: releases.Selection) -> None:
     try:
         from kvobs_otel.hosts.platform import device_type
-        from kvobs_otel.pipeline import Observer, get_pipeline
+        from kvobs_otel.lifecycle.refused import RefusedHost
+        from kvobs_otel.pipeline import get_pipeline
         from kvobs_otel.telemetry import attributes as A
 
         pipeline = get_pipeline(settings)
-        observer = Observer(pipeline, lambda _sink: _Refused(sel.reason or ""), {
-            A.RES_ROLE: "host", A.RES_VLLM_VERSION: sel.version, A.RES_HOST_ADAPTER: "vllm",
-            A.RES_DEVICE: device_type(settings)})
-        pipeline.register(observer)
+        pipeline.register(
+            (RefusedHost, {"reasons": releases.REFUSAL_REASONS, "reason": sel.reason or ""}),
+            {A.RES_ROLE: "host", A.RES_VLLM_VERSION: sel.version, A.RES_HOST_ADAPTER: "vllm",
+             A.RES_DEVICE: device_type(settings)})
     except Exception:
         logger.warning("kvobs-otel: could not export the refusal", exc_info=True)
 

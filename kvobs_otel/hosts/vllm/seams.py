@@ -21,7 +21,7 @@ from kvobs_otel.lifecycle import events as ev
 from kvobs_otel.lifecycle.events import COMPUTE_DECODE, COMPUTE_PREFILL
 from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
 from kvobs_otel.lifecycle.worker_state import WorkerLifecycle
-from kvobs_otel.pipeline import Observer, Pipeline
+from kvobs_otel.pipeline import Pipeline
 from kvobs_otel.telemetry import attributes as A
 
 _now = time.monotonic_ns
@@ -64,13 +64,12 @@ class SchedulerSeams:
         # Engine steps (schedule() calls): the receipt deadline only runs out
         # while the engine steps (scheduler_state.py).
         self.steps = 0
-        self.observer = Observer(
-            pipeline,
-            lambda sink: SchedulerLifecycle(self.gen, world, settings.receipt_deadline_s, sink,
-                                            progress=lambda: self.steps),
-            _resource(connector, settings, "scheduler"))
-        pipeline.register(self.observer)
-        self.consumer = self.observer.lifecycle
+        # The lifecycle is made where the events are exported (a sidecar by
+        # default): described here, by a class and plain values.
+        self.consumer = pipeline.register(
+            (SchedulerLifecycle, {"sched_gen": self.gen, "world_size": world,
+                                  "deadline_s": settings.receipt_deadline_s}),
+            _resource(connector, settings, "scheduler"), progress=lambda: self.steps)
         self.offer = pipeline.offer
         # req_id -> Request: read num_preemptions when it is preempted.
         self.requests: dict[str, Any] = {}
@@ -204,7 +203,7 @@ class SchedulerSeams:
     def on_shutdown(self) -> None:
         try:
             self.offer((self.consumer, ev.S_SHUTDOWN, _now()))
-            self.observer.close()
+            self.pipeline.close_observer(self.consumer)
         except Exception:
             self.pipeline.count_error("shutdown")
 
@@ -220,15 +219,13 @@ class WorkerSeams:
         tp = max(1, int(pc.tensor_parallel_size))
         self.gen = identity.new_generation()
         self.pipeline = pipeline
-        self.observer = Observer(
-            pipeline, lambda sink: WorkerLifecycle(self.rank, self.gen, sink),
+        self.consumer = pipeline.register(
+            (WorkerLifecycle, {"rank": self.rank, "worker_gen": self.gen}),
             _resource(connector, settings, "worker", **{
                 A.RES_RANK: self.rank, A.RES_TP_RANK: self.rank % tp,
                 A.RES_PP_RANK: self.rank // tp,
                 A.RES_DP_RANK: int(getattr(pc, "data_parallel_rank", 0) or 0),
                 A.WORKER_GEN: self.gen}))
-        pipeline.register(self.observer)
-        self.consumer = self.observer.lifecycle
         self.offer = pipeline.offer
         self.sched_gen = ""
         # The step metadata note_meta saw last.
@@ -381,6 +378,6 @@ class WorkerSeams:
     def on_shutdown(self) -> None:
         try:
             self.offer((self.consumer, ev.W_SHUTDOWN, _now()))
-            self.observer.close()
+            self.pipeline.close_observer(self.consumer)
         except Exception:
             self.pipeline.count_error("shutdown")

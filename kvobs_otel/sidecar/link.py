@@ -1,0 +1,260 @@
+"""The vLLM process's end of its sidecar: start it, write to it, watch it.
+
+Started with ``subprocess`` (fork+exec of this Python, ``-m
+kvobs_otel.sidecar``), not ``multiprocessing``: vLLM's workers are daemonic
+``multiprocessing`` processes, which may not have children of their own
+through ``multiprocessing``, and an exec'd child inherits none of vLLM's
+threads, locks or CUDA state.
+
+Failure policy (docs/architecture.md, "The export sidecar"):
+
+- every event the sidecar never handled is counted ``sidecar_lost``: those in
+  a write that failed, and those written but not handled when it died (it
+  publishes how many it handled in a shared counter);
+- a sidecar that stops reading for ``STALL_S`` while the pipe is full is
+  killed and counted like a crash; meanwhile the drain thread waits, the
+  buffer fills, and the serving side drops and counts ``buffer_full``;
+- a failed sidecar is restarted at once, at most ``MAX_FAILURES`` times in
+  ``FAILURE_WINDOW_S``; past that, the process exports in-process (one
+  warning), as with ``KVOBS_OTEL_EXPORT=in-process``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvobs_otel.sidecar import wire
+from kvobs_otel.sidecar.main import HANDLED
+
+if TYPE_CHECKING:
+    from kvobs_otel.pipeline import Pipeline
+
+logger = logging.getLogger("kvobs_otel")
+
+STALL_S = 10.0
+MAX_FAILURES = 3
+FAILURE_WINDOW_S = 300.0
+# A larger pipe absorbs bursts while the sidecar is busy (Linux; best effort).
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+class SidecarLink:
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.fd = -1
+        self._shm: mmap.mmap | None = None
+        self.written = 0  # events in frames wholly written to the current sidecar
+        self.lost = 0  # events no sidecar handled
+        self.failures: list[float] = []
+        self._sent_counts: Any = None
+        # Ended when the process's last role closed; a role made after that
+        # starts a new sidecar (on the drain thread, the only writer).
+        self.ended = False
+
+    def start(self) -> None:
+        """Start the first sidecar (after the pipeline holds this link: a
+        failure past the budget hands the pipeline back to in-process)."""
+        self._start()
+
+    # -- what the pipeline reads ---------------------------------------------------
+    def drops(self) -> dict[str, int]:
+        return {"sidecar_lost": self.lost}
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    # -- start ------------------------------------------------------------------------
+    def _start(self) -> bool:
+        rfd = -1
+        try:
+            rfd, wfd = os.pipe()
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(wfd, _F_SETPIPE_SZ, PIPE_BYTES)
+            with tempfile.TemporaryFile() as shm_file:
+                shm_file.truncate(HANDLED.size)
+                shm_fd = shm_file.fileno()
+                self._shm = mmap.mmap(shm_fd, HANDLED.size)
+                env = dict(os.environ)
+                # The child imports this very copy of kvobs_otel.
+                root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (root, env.get("PYTHONPATH", "")) if p)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kvobs_otel.sidecar", str(rfd), str(shm_fd)],
+                    pass_fds=(rfd, shm_fd), stdin=subprocess.DEVNULL, env=env,
+                    start_new_session=True)
+            os.close(rfd)
+            os.set_blocking(wfd, False)
+            self.fd, self.written = wfd, 0
+        except Exception:
+            if rfd >= 0:
+                os.close(rfd)
+            logger.warning("kvobs-otel: could not start the export sidecar", exc_info=True)
+            return self._failed()
+        from kvobs_otel.observers import CONTROL_KEY, REGISTER
+
+        p = self.pipeline
+        hello = ("hello", p.settings, os.getpid(), time.time_ns() - time.monotonic_ns())
+        # A restarted sidecar is told every role still registered.
+        controls = [(CONTROL_KEY, REGISTER, key, spec, resource, progress is not None)
+                    for key, (spec, resource, progress) in p.registered.items()]
+        self._sent_counts = None
+        return self._write(wire.frame(hello)) and (
+            not controls or self.send_events(controls))
+
+    # -- writing ----------------------------------------------------------------------
+    def register(self, key: int, spec: Any, resource: dict[str, Any], progress: bool) -> None:
+        from kvobs_otel.observers import CONTROL_KEY, REGISTER
+
+        # Among the events, so it precedes the role's first one; never
+        # dropped (a control does not count against the bound).
+        self.pipeline.buffer.put_control((CONTROL_KEY, REGISTER, key, spec, resource, progress))
+        self.pipeline._wake.set()
+
+    def _restart_if_ended(self) -> None:
+        if self.ended and self.pipeline.registered:
+            self.ended = False
+            self._start()
+
+    def close_observer(self, key: int) -> None:
+        from kvobs_otel.observers import CLOSE, CONTROL_KEY
+
+        self.send_events([(CONTROL_KEY, CLOSE, key)])
+
+    def send_events(self, batch: list[tuple[Any, ...]]) -> bool:
+        self._restart_if_ended()
+        if self.fd < 0:
+            self.lost += len(batch)
+            return False
+        try:
+            data = wire.frame(("events", batch))
+        except Exception:
+            # An event that does not pickle is an observer bug: count it.
+            self.pipeline.count_error("seam")
+            self.lost += len(batch)
+            return False
+        if self._write(data):
+            self.written += len(batch)
+            return True
+        self.lost += len(batch)
+        return False
+
+    def tick(self, progress: dict[int, int]) -> None:
+        """Once per drain cycle: notice a dead sidecar, and send the counts
+        and step progress when they changed."""
+        self._restart_if_ended()
+        if self.proc is not None and self.proc.poll() is not None:
+            self._failed()
+        if self.fd < 0:
+            return
+        p = self.pipeline
+        counts = (progress, p.own_drops(), p.own_errors())
+        if counts != self._sent_counts:
+            self._sent_counts = counts
+            self._write(wire.frame(("tick", *counts)))
+
+    def _write(self, data: bytes, stall_s: float | None = None) -> bool:
+        stall_s = STALL_S if stall_s is None else stall_s
+        view = memoryview(data)
+        deadline = time.monotonic() + stall_s
+        while view:
+            try:
+                n = os.write(self.fd, view)
+                view = view[n:]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("kvobs-otel: the export sidecar (pid %s) read nothing for "
+                                   "%.0f s; killing it", self.pid, stall_s)
+                    self._failed(kill=True)
+                    return False
+                select.select([], [self.fd], [], min(left, 0.5))
+            except OSError:
+                self._failed()  # EPIPE: the sidecar is gone
+                return False
+        return True
+
+    # -- failure ----------------------------------------------------------------------
+    def _handled(self) -> int:
+        try:
+            return HANDLED.unpack_from(self._shm, 0)[0] if self._shm is not None else 0
+        except Exception:
+            return 0
+
+    def _drop_current(self, kill: bool) -> None:
+        """Let go of the current sidecar, counting what it never handled."""
+        proc = self.proc
+        if proc is not None and kill:
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGKILL)
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=1.0 if kill else 0.0)
+            self.lost += max(0, self.written - self._handled())
+        self.proc, self.written = None, 0
+
+    def _failed(self, kill: bool = False) -> bool:
+        code = self.proc.poll() if self.proc is not None else None
+        self._drop_current(kill or code is None)
+        self.pipeline.count_error("sidecar", quiet=True)  # said below
+        now = time.monotonic()
+        self.failures = [t for t in self.failures if now - t < FAILURE_WINDOW_S] + [now]
+        if len(self.failures) > MAX_FAILURES:
+            logger.warning("kvobs-otel: the export sidecar failed %d times in %.0f s; this "
+                           "process now exports in-process", len(self.failures),
+                           FAILURE_WINDOW_S)
+            self.pipeline.fall_back_in_process()
+            return False
+        logger.warning("kvobs-otel: the export sidecar is gone (exit %s); restarting it "
+                       "(%d of %d failures allowed in %.0f s)", code, len(self.failures),
+                       MAX_FAILURES, FAILURE_WINDOW_S)
+        return self._start()
+
+    # -- end --------------------------------------------------------------------------
+    def end(self, timeout_s: float) -> None:
+        """Ask the sidecar to flush and exit; wait for it at most ``timeout_s``
+        (it finishes on its own if it needs longer)."""
+        proc, self.ended = self.proc, True
+        if self.fd >= 0:
+            self._write(wire.frame(("end",)), stall_s=min(timeout_s, STALL_S))
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("kvobs-otel: the export sidecar (pid %d) is still flushing "
+                               "after %.1f s; leaving it to finish", proc.pid, timeout_s)
+            else:
+                self.lost += max(0, self.written - self._handled())
+        self.proc = None
+
+    def retire(self) -> None:
+        """Given up on (the pipeline exports in-process from now on)."""
+        self._drop_current(kill=True)
+
+    def forget(self) -> None:
+        """In a forked child: close our copy of the pipe, touch nothing else."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        self.fd, self.proc = -1, None

@@ -1,0 +1,254 @@
+"""The export sidecar's own behaviour: framing, delivery, identity, and every
+way it can fail (cannot start, crashes, stalls, its parent dies).
+
+Real parts: the real sidecar process (``python -m kvobs_otel.sidecar``), the
+real lifecycle, builders and OTLP/HTTP exporters inside it, and an OTLP
+receiver in this process. The events are the worker role's event tuples,
+made here (the real-vLLM harness drives the same path in
+test_vllm_sidecar.py); the vLLM-side checks are there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvobs_otel import identity
+from kvobs_otel.config import Settings
+from kvobs_otel.lifecycle import events as ev
+from kvobs_otel.lifecycle.worker_state import WorkerLifecycle
+from kvobs_otel.pipeline import Pipeline
+from kvobs_otel.sidecar import link as link_mod
+from kvobs_otel.sidecar import wire
+
+from otel_servers import wait_for
+from otlp_receiver import HttpReceiver, latest_total, metric_values, received_ids
+
+SETTINGS = Settings(enabled=True, drain_interval_s=0.02)
+
+
+@pytest.fixture
+def rx(monkeypatch):
+    with HttpReceiver() as receiver:
+        for k, v in {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                     "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_METRIC_EXPORT_INTERVAL": "200",
+                     "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}.items():
+            monkeypatch.setenv(k, v)
+        yield receiver
+
+
+def worker(pipeline: Pipeline, rank: int = 0) -> tuple[int, str]:
+    gen = identity.new_generation()
+    key = pipeline.register((WorkerLifecycle, {"rank": rank, "worker_gen": gen}),
+                            {"kvobs.role": "worker", "kvobs.rank": rank})
+    return key, gen
+
+
+def transfers(pipeline: Pipeline, key: int, first_job: int, n: int) -> None:
+    """``n`` load jobs of one rank, each submitted and finished: one
+    ``kv.transfer`` span each (ordinary traffic, every trace kept)."""
+    offer, now, sched = pipeline.offer, time.monotonic_ns, "sched-gen"
+    loads = tuple((j, f"req-{j}", 4) for j in range(first_job, first_job + n))
+    assert offer((key, ev.W_STEP, now(), sched, loads, (), (), {}))
+    for j, _r, _b in loads:
+        assert offer((key, ev.W_SUBMIT, now(), j, True, True, False))
+        assert offer((key, ev.W_RESULT, now(), j, True, 4096, None))
+
+
+def transfer_spans(rx: HttpReceiver) -> list:
+    with rx.store.lock:
+        return [s for s in rx.store.spans if s.name == "kv.transfer"]
+
+
+def test_frames_survive_any_split():
+    messages = [("hello", SETTINGS, 1, 2), ("events", [(1, 2, 3, "x" * 70000)]), ("end",)]
+    data = b"".join(wire.frame(m) for m in messages)
+    for step in (1, 3, 4096, len(data)):
+        reader = wire.FrameReader()
+        got = [m for i in range(0, len(data), step) for m in reader.feed(data[i:i + step])]
+        assert got == messages and not reader.partial
+
+
+def test_spans_leave_from_the_sidecar_under_the_vllm_process_identity(rx):
+    p = Pipeline(SETTINGS)
+    assert p.link is not None and p.local is None  # the default
+    sidecar = p.link.pid
+    key, gen = worker(p, rank=1)
+    transfers(p, key, 0, 50)
+    p.close()
+    spans = transfer_spans(rx)
+    assert len(spans) == 50
+    # The resource names the vLLM process (this one), not the sidecar.
+    assert {s.resource["process.pid"] for s in spans} == {os.getpid()} != {sidecar}
+    assert {(s.attributes["kvobs.rank"], s.attributes["kvobs.worker.generation"])
+            for s in spans} == {(1, gen)}
+    # What the sidecar says it delivered is what arrived; the process meter
+    # says which process and how it exports.
+    assert latest_total(rx, "kvobs.observer.exported", signal="spans") == len(
+        received_ids(rx))
+    (inst,) = {i for i, _ in metric_values(rx, "kvobs.observer.exported")}
+    assert inst.endswith(f":{os.getpid()}:process")
+    # Closing waited for the sidecar: it has exited.
+    assert p.link.proc is None
+
+
+def test_sidecar_in_its_own_session_ignores_ctrl_c(rx):
+    p = Pipeline(SETTINGS)
+    pid = p.link.pid
+    try:
+        # A terminal's Ctrl-C goes to its foreground process group: not the
+        # sidecar's (its own session).
+        assert os.getsid(pid) == os.getpgid(pid) == pid
+        assert os.getpgid(pid) != os.getpgid(0)
+        key, _ = worker(p)
+        transfers(p, key, 0, 5)
+        p.flush()
+        wait_for(lambda: len(transfer_spans(rx)) == 5, "the sidecar's first spans")
+        # Sent to it directly, once it runs: ignored (its end is its parent's).
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+        transfers(p, key, 5, 5)
+        p.flush()
+        wait_for(lambda: len(transfer_spans(rx)) == 10, "spans after SIGINT and SIGTERM")
+        assert p.link.pid == pid and p.link.proc.poll() is None
+    finally:
+        p.close()
+
+
+def test_killed_sidecar_is_restarted_and_its_loss_counted(rx):
+    p = Pipeline(SETTINGS)
+    key, _ = worker(p)
+    transfers(p, key, 0, 10)
+    p.flush()
+    wait_for(lambda: len(transfer_spans(rx)) == 10, "the first sidecar's spans")
+    first = p.link.pid
+    # Stop it reading, write what it will never handle, then kill it.
+    os.kill(first, signal.SIGSTOP)
+    transfers(p, key, 10, 7)
+    p.flush()
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: (p.drain_once(), p.link.pid not in (None, first))[1],
+             "a new sidecar")
+    lost = 1 + 2 * 7  # the step, and each job's submit and result
+    assert p.drop_counts()["sidecar_lost"] == lost
+    assert p.error_counts()["sidecar"] == 1
+    # The new sidecar knows the role (registered again) and reports the loss.
+    transfers(p, key, 17, 4)
+    p.flush()
+    wait_for(lambda: latest_total(rx, "kvobs.observer.dropped", reason="sidecar_lost") == lost,
+             "the loss reported by the new sidecar")
+    p.close()
+    jobs = {s.attributes["kvobs.job.id"] for s in transfer_spans(rx)}
+    assert jobs == set(range(10)) | set(range(17, 21))
+
+
+def test_stalled_sidecar_is_killed_and_the_serving_side_never_waits(rx, monkeypatch):
+    monkeypatch.setattr(link_mod, "STALL_S", 1.0)
+    monkeypatch.setattr(link_mod, "PIPE_BYTES", 4096)  # fill the pipe quickly
+    p = Pipeline(Settings(enabled=True, drain_interval_s=0.02, buffer_size=256))
+    key, _ = worker(p)
+    first = p.link.pid
+    os.kill(first, signal.SIGSTOP)
+    # The serving side keeps offering while the drain thread waits on the
+    # full pipe: every offer returns at once, the surplus is dropped.
+    worst = 0.0
+    for i in range(200):
+        t = time.perf_counter()
+        p.offer((key, ev.W_SUBMIT, time.monotonic_ns(), 10_000 + i, True, True, False))
+        worst = max(worst, time.perf_counter() - t)
+        time.sleep(0.005)
+    wait_for(lambda: p.link.pid not in (None, first), "the stalled sidecar replaced")
+    try:
+        assert p.link.proc.poll() is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)  # killed, and reaped
+        assert p.error_counts()["sidecar"] == 1
+        assert p.drop_counts()["sidecar_lost"] > 0
+        assert worst < 0.05, worst  # an offer is a deque append, never a wait
+    finally:
+        p.close()
+
+
+def test_sidecar_that_cannot_start_falls_back_in_process(rx, monkeypatch, caplog):
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    p = Pipeline(SETTINGS)
+    key, _ = worker(p)
+    # The first start and its restarts failed: the process exports itself.
+    assert p.link is None and p.local is not None
+    assert p.error_counts()["sidecar"] == link_mod.MAX_FAILURES + 1
+    assert "now exports in-process" in caplog.text
+    transfers(p, key, 0, 6)
+    p.close()
+    assert len(transfer_spans(rx)) == 6
+    assert latest_total(rx, "kvobs.observer.errors", stage="sidecar") == 4
+
+
+def test_crash_loop_is_bounded_then_in_process(rx, monkeypatch):
+    p = Pipeline(SETTINGS)
+    key, _ = worker(p)
+    transfers(p, key, 0, 3)
+    pids: list[int] = []
+    for _ in range(link_mod.MAX_FAILURES + 1):
+        pids.append(p.link.pid)
+        os.kill(pids[-1], signal.SIGKILL)
+        wait_for(lambda: (p.drain_once(), p.link is None or p.link.pid != pids[-1])[1],
+                 "the sidecar's end noticed")
+    assert len(set(pids)) == link_mod.MAX_FAILURES + 1
+    assert p.link is None and p.local is not None  # no fifth sidecar
+    transfers(p, key, 100, 2)
+    p.close()
+    assert {100, 101} <= {s.attributes["kvobs.job.id"] for s in transfer_spans(rx)}
+
+
+PARENT = textwrap.dedent("""
+    import os, sys, time
+    sys.path[:0] = {paths!r}
+    from test_sidecar import SETTINGS, transfers, worker
+    from kvobs_otel.pipeline import Pipeline
+    p = Pipeline(SETTINGS)
+    key, _ = worker(p)
+    transfers(p, key, 0, 40)
+    p.flush()
+    print(p.link.pid, flush=True)
+    how = {how!r}
+    if how == "os_exit":
+        os._exit(0)
+    elif how == "sigkill":
+        os.kill(os.getpid(), 9)
+    elif how == "sigterm":
+        import signal
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # as vLLM's workers
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+""")
+
+
+@pytest.mark.parametrize("how", ["os_exit", "sigkill", "sigterm"])
+def test_parent_death_flushes_on_pipe_eof(rx, how):
+    """The sidecar outlives a parent that leaves by ``os._exit`` or SIGKILL
+    (no atexit, no shutdown) and flushes everything it was handed."""
+    here = os.path.dirname(__file__)
+    code = PARENT.format(paths=[here, os.path.dirname(here)], how=how)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=os.environ.copy())
+    sidecar = int(out.stdout.split()[0])
+    wait_for(lambda: len(transfer_spans(rx)) == 40,
+             lambda: f"40 spans after {how} ({len(transfer_spans(rx))}); {out.stderr[-2000:]}")
+    wait_for(lambda: latest_total(rx, "kvobs.observer.exported", signal="spans") == 40,
+             "the sidecar's final count")
+
+    def gone() -> bool:  # exited (a zombie until its new parent reaps it)
+        try:
+            with open(f"/proc/{sidecar}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_for(gone, "the sidecar to exit")

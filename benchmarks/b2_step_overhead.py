@@ -100,7 +100,7 @@ def _compare(a: list[list[int]], b: list[list[int]], ns_a: list[int], ns_b: list
 def run(quick: bool) -> Result:
     t_start = time.monotonic()
     variants = ("uninstrumented", "enabled") if quick else (
-        "uninstrumented", "disabled", "unobserved", "enabled", "seams_only")
+        "uninstrumented", "disabled", "unobserved", "enabled", "in_process", "seams_only")
     blocks, reps = (1, 1) if quick else (BLOCKS, REPS)
     rng = random.Random(2)
     progress(f"B2: starting {1 if quick else 2} zygote process(es)")
@@ -152,6 +152,12 @@ def _sum_fields(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _other_us(final: dict[str, Any], variant: str, steps: float) -> float:
+    """One block's CPU per timed step outside the serving thread, in us."""
+    c = final[variant]["cpu"]
+    return (c["steps_process_ns"] - c["steps_serving_thread_ns"]) / steps / 1e3
+
+
 def _timed_count(finals: list[dict[str, Any]], variant: str, key: str) -> int:
     """A counter's growth over the timed repeats (warm-ups excluded)."""
     return sum(f[variant]["after"].get(key, 0) - f[variant]["before"].get(key, 0)
@@ -176,16 +182,17 @@ def _result(variants: tuple[str, ...], ns: dict[str, list[int]],
             raise RuntimeError(f"B2: seams_only offered {offered} events, enabled "
                                f"recorded {accepted}")
     pairs = {f"{a}/{b}": _compare(per_rep[a], per_rep[b], ns[a], ns[b])
-             for a, b in (("enabled", "disabled"), ("disabled", "uninstrumented"),
+             for a, b in (("enabled", "disabled"), ("in_process", "disabled"),
+                          ("enabled", "in_process"), ("disabled", "uninstrumented"),
                           ("unobserved", "uninstrumented"), ("enabled", "uninstrumented"),
                           ("seams_only", "disabled"), ("enabled", "seams_only"))
              if a in variants and b in variants}
     base = "disabled" if "disabled" in variants else "uninstrumented"
     e_key = f"enabled/{base}"
     goals = [Goal(f"enabled/{base} step time, ratio of median steps per repeat",
-                  pairs[e_key]["median_step"], "<=", 1.05),
+                  pairs[e_key]["median_step"], "<=", 1.03),
              Goal(f"enabled/{base} step time, ratio of mean steps per repeat",
-                  pairs[e_key]["mean_step"], "<=", 1.05)]
+                  pairs[e_key]["mean_step"], "<=", 1.03)]
     if "disabled/uninstrumented" in pairs:
         d = pairs["disabled/uninstrumented"]
         goals += [Goal("disabled/uninstrumented step time, ratio of median steps per repeat",
@@ -229,8 +236,22 @@ def _result(variants: tuple[str, ...], ns: dict[str, list[int]],
     # CPU time is less noisy than wall time here (processes running identical
     # code differ by ~0.1-2% of a step): the cost in absolute terms.
     (bs, bo), (es, eo) = cpu_us(base), cpu_us("enabled")
+    # The vLLM process's other threads (drain, and in-process the export
+    # stage and metric reader): what competes with vLLM for its GIL. Per
+    # block, so the goal line shows a spread.
+    others = [_other_us(f, "enabled", steps / blocks) - _other_us(f, base, steps / blocks)
+              for f in finals]
+    goals.append(Goal(f"enabled other threads' CPU per step over {base}, vLLM process",
+                      Spread.of(others), "<=", 5.0, unit=" us", fmt=".1f"))
     line = (f"CPU per step over {base}: enabled serving thread {es - bs:+.0f} us "
-            f"({(es - bs) / bs:+.1%}), other threads {eo - bo:+.0f} us")
+            f"({(es - bs) / bs:+.1%}), other threads {eo - bo:+.1f} us")
+    if "in_process" in variants:
+        ps, po = cpu_us("in_process")
+        line += (f"; in_process serving thread {ps - bs:+.0f} us, other threads "
+                 f"{po - bo:+.1f} us")
+    sidecar = totals["enabled"]["cpu"].get("children_ns", 0)
+    line += (f"; the enabled variant's sidecars {sidecar / steps / 1e3:.0f} us/step "
+             "(their own processes, start-up included)")
     if "seams_only" in variants:
         line += f"; seams_only serving thread {cpu_us('seams_only')[0] - bs:+.0f} us"
     info.append(line)

@@ -26,8 +26,12 @@ Variants (what a user gets):
 - ``enabled``: instrument(Settings(enabled=True)) before the harness, with
   OTLP/HTTP export configured the standard way (OTEL_* variables) to the
   coordinator's loopback sink (benchmarks/otlp_sink.py): seams, bounded
-  buffer, drain thread every 50 ms, spans and metrics built, encoded and
-  sent by kvobs-otel's own export stage, as in a deployment.
+  buffer, a drain thread every 50 ms pickling events into the export
+  sidecar's pipe; the sidecar builds, encodes and sends spans and metrics
+  with kvobs-otel's own export stage, as in a deployment.
+- ``in_process``: the same with KVOBS_OTEL_EXPORT=in-process: the drain
+  thread builds, encodes and exports in the vLLM process (the previous
+  default, kept as a setting).
 - ``seams_only`` (diagnostic, not a product setting): enabled, but the
   buffer counts each offered event and discards it, so the drain and export
   threads idle. ``seams_only`` over ``disabled`` is what the seams cost the
@@ -50,7 +54,7 @@ from typing import IO, Any
 from benchmarks.common import apply_clean_env, protocol_stream, reply, single_thread_torch
 from benchmarks.workload import QUICK_SHAPE, HeavyOffload, WorkloadShape, harness_config
 
-VARIANTS = ("uninstrumented", "disabled", "unobserved", "enabled", "seams_only")
+VARIANTS = ("uninstrumented", "disabled", "unobserved", "enabled", "in_process", "seams_only")
 EXPLICIT = {"connector": "KvobsOffloadingConnector",
             "connector_module_path": "kvobs_otel.connector",
             "extra_env": {"KVOBS_OTEL_ENABLED": "0"}}
@@ -83,8 +87,10 @@ class Variant:
         from kvobs_otel.config import Settings
 
         self.name, self.shape = name, shape
-        self.kvobs, self.settings = kvobs_otel, Settings(enabled=True)
-        self.observing = name in ("enabled", "seams_only")
+        self.kvobs = kvobs_otel
+        self.settings = Settings(enabled=True,
+                                 export="in-process" if name == "in_process" else "sidecar")
+        self.observing = name in ("enabled", "in_process", "seams_only")
         self.discarded = 0
         if self.observing:
             # What a user configures: OTLP/HTTP to an endpoint (the
@@ -155,7 +161,7 @@ def serve(variant: Variant, reps: int, inp: IO[str], out: IO[str]) -> None:
     # Process CPU minus this (serving) thread's CPU = what the background
     # threads (drain, span processor, metric reader) burnt meanwhile; also
     # counted during the timed steps alone (HeavyOffload).
-    cpu0 = (time.process_time_ns(), time.thread_time_ns())
+    cpu0 = (time.process_time_ns(), time.thread_time_ns(), _children_ns())
     before = variant.counters()
     reply(out, {"ready": True, "pid": os.getpid(), "warmup": warm.summary()})
     finished: list[HeavyOffload] = []
@@ -179,11 +185,19 @@ def serve(variant: Variant, reps: int, inp: IO[str], out: IO[str]) -> None:
             cpu = {"process_ns": time.process_time_ns() - cpu0[0],
                    "serving_thread_ns": time.thread_time_ns() - cpu0[1],
                    "steps_serving_thread_ns": sum(sum(w.thread_cpu_ns) for w in finished),
-                   "steps_process_ns": sum(sum(w.process_cpu_ns) for w in finished)}
+                   "steps_process_ns": sum(sum(w.process_cpu_ns) for w in finished),
+                   # Reaped children: the export sidecars (one per repeat,
+                   # their start-up included).
+                   "children_ns": _children_ns() - cpu0[2]}
             variant.close()
             reply(out, {"reps": [w.summary() for w in finished], "gc": clock.snapshot(),
                         "cpu": cpu, "before": before, "after": after})
             return
+
+
+def _children_ns() -> int:
+    t = os.times()
+    return int((t.children_user + t.children_system) * 1e9)
 
 
 def _preload() -> None:

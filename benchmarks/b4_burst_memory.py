@@ -19,6 +19,13 @@ Bound = buffer_size x bytes/event + ALLOWANCE (allocator granularity:
 obmalloc arenas are 1 MiB, plus page rounding). A control process with a
 buffer as large as the burst (nothing dropped) shows the measurement does see
 the events' memory: its growth should approach offered x bytes/event.
+
+The export sidecar (``--sidecar``): the drain thread runs and the sidecar
+exports to an endpoint that accepts connections and never answers, so its
+export queue fills and stays full. Its peak RSS growth (VmHWM of the sidecar
+process) under a burst of 1 x and of 10 x the buffer: bounded means the
+second is no larger than the first (the export queue and the lifecycle
+tables have fixed bounds; the burst only adds drops).
 """
 
 from __future__ import annotations
@@ -107,9 +114,70 @@ def child(buffer_size: int, burst: int, quick: bool) -> dict[str, Any]:
         kvobs_otel.uninstrument()
 
 
-def _spawn(buffer_size: int, burst: int, quick: bool) -> dict[str, Any]:
+def sidecar_child(buffer_size: int, burst: int, quick: bool) -> dict[str, Any]:
+    import os
+    import socket
+    import threading
+
+    import kvobs_otel
+    from benchmarks.capture import discard_buffer, run_capture
+    from benchmarks.replay import all_replays
+    from benchmarks.workload import QUICK_SHAPE, WorkloadShape
+    from kvobs_otel.config import Settings
+
+    silent = socket.socket()  # a Collector that accepts and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(silent.accept()[0]) for _ in iter(int, 1)],
+                     daemon=True).start()
+    os.environ.update({"OTEL_TRACES_EXPORTER": "otlp",
+                       "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                       "OTEL_EXPORTER_OTLP_ENDPOINT":
+                       f"http://127.0.0.1:{silent.getsockname()[1]}"})
+    if not kvobs_otel.instrument(Settings(enabled=True, buffer_size=buffer_size)):
+        raise RuntimeError("instrument() did not activate")
+    cap = run_capture(QUICK_SHAPE if quick else WorkloadShape())
+    try:
+        pipeline = cap.pipeline
+        link = pipeline.link
+        if link is None:
+            raise RuntimeError("no export sidecar")
+        plan = [r.batches["enabled"] for r in all_replays(cap, CALLS, None)]
+
+        def settle() -> None:  # the sidecar has handled all it was sent
+            pipeline.flush()
+            deadline = time.monotonic() + 120
+            while link.sidecar_counts()["handled"] < link.written:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the sidecar did not catch up")
+                time.sleep(0.05)
+
+        settle()
+        pid = link.pid
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        rss0 = read_status_kib("VmRSS", pid)
+        offered = _offer_until(plan, pipeline, burst)
+        settle()
+        hwm = read_status_kib("VmHWM", pid)
+        side = link.sidecar_counts()
+        return {"buffer_size": buffer_size, "offered": offered,
+                "buffer_full": pipeline.buffer.dropped_full, "sidecar_handled": side["handled"],
+                "sidecar_dropped": side["dropped"], "sidecar_rss_before_kib": rss0,
+                "sidecar_hwm_kib": hwm, "growth_bytes": (hwm - rss0) * 1024,
+                "workload": cap.workload}
+    finally:
+        discard_buffer(cap.pipeline)
+        cap.close()
+        kvobs_otel.uninstrument()
+
+
+def _spawn(buffer_size: int, burst: int, quick: bool, sidecar: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.b4_burst_memory", "--child",
            "--buffer", str(buffer_size), "--burst", str(burst)] + (["--quick"] if quick else [])
+    if sidecar:
+        cmd.append("--sidecar")
     res = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True,
                          timeout=900)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
@@ -133,6 +201,12 @@ def run(quick: bool) -> Result:
         r = _spawn(n, FACTOR * size, quick)
         r["kind"] = kind
         runs.append(r)
+    side: dict[int, list[dict[str, Any]]] = {1: [], FACTOR: []}
+    for i in range(1 if quick else 2):
+        for factor in (1, FACTOR):
+            progress(f"B4: sidecar, process {i + 1}: burst {factor} x {size} events, "
+                     "export stalled")
+            side[factor].append(_spawn(size, factor * size, quick, sidecar=True))
     bounded = [r for r in runs if r["kind"] == "bounded"]
     for r in bounded:
         r["bound_bytes"] = r["buffer_size"] * r["bytes_per_event"] + ALLOWANCE
@@ -144,6 +218,10 @@ def run(quick: bool) -> Result:
         Goal("drops counted - (offered - capacity)",
              Spread.of([abs(r["drop_error"]) for r in bounded]), "<=", 0, unit=" events",
              fmt=".0f"),
+        Goal(f"sidecar peak RSS growth, burst {FACTOR}x / 1x the buffer (export stalled)",
+             Spread.of([a["growth_bytes"] / max(b["growth_bytes"], 1 << 20)
+                        for a, b in zip(side[FACTOR], side[1], strict=True)]), "<=", 1.25,
+             note="1 MiB floor on the 1x growth"),
     ]
     info = []
     for r in runs:
@@ -153,8 +231,13 @@ def run(quick: bool) -> Result:
                     f"{r['bytes_per_event']:.0f} B/event; peak RSS growth "
                     f"{r['growth_bytes'] / 2**20:.1f} MiB = {r['growth_bytes'] / unbounded:.3f}"
                     f" of offered x bytes/event ({unbounded / 2**20:.1f} MiB)")
+    for factor, rs in side.items():
+        info.append(f"sidecar, burst {factor}x: peak RSS growth " + ", ".join(
+            f"{r['growth_bytes'] / 2**20:.1f} MiB (offered {r['offered']}, buffer_full "
+            f"{r['buffer_full']}, sidecar dropped {r['sidecar_dropped']})" for r in rs))
     data = {"factor": FACTOR, "allowance_bytes": ALLOWANCE, "calls_per_batch": CALLS,
-            "export_side": "drain thread stopped: nothing leaves the buffer", "runs": runs}
+            "export_side": "drain thread stopped: nothing leaves the buffer", "runs": runs,
+            "sidecar": {str(k): v for k, v in side.items()}}
     return Result(NAME, TITLE, goals, info, data, time.monotonic() - t_start)
 
 
@@ -164,12 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buffer", type=int, required=True)
     ap.add_argument("--burst", type=int, required=True, help="events to offer")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sidecar", action="store_true",
+                    help="measure the export sidecar's memory instead")
     args = ap.parse_args(argv)
     out = protocol_stream()
     apply_clean_env()
     single_thread_torch()
     try:
-        reply(out, child(args.buffer, args.burst, args.quick))
+        reply(out, (sidecar_child if args.sidecar else child)(args.buffer, args.burst,
+                                                              args.quick))
     except Exception as e:
         reply(out, {"error": f"{type(e).__name__}: {e}"})
         raise

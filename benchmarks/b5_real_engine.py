@@ -9,9 +9,12 @@ server:
 - ``stock``: no plugin loaded at all (``VLLM_PLUGINS=""``);
 - ``off``: the plugin installed and loaded, ``KVOBS_OTEL_ENABLED=0``;
 - ``on``: the plugin enabled, exporting spans and metrics over OTLP/HTTP to a
-  loopback sink (benchmarks/otlp_sink.py) as it would to a Collector.
+  loopback sink (benchmarks/otlp_sink.py) as it would to a Collector, from
+  an export sidecar per vLLM process (the default);
+- ``on_in_process``: the same with ``KVOBS_OTEL_EXPORT=in-process`` (the
+  export work on a thread of each vLLM process, the previous default).
 
-The three servers are up together; the rounds run the same load against each
+The four servers are up together; the rounds run the same load against each
 in turn (rotated order, a fresh prompt seed per round, the same for the three
 variants of a round, so none gets another's prefix-cache hits). An idle
 server costs nothing: its workers stop spinning a second after their last
@@ -51,8 +54,9 @@ from benchmarks.common import REPO_ROOT, Goal, Result, Spread, paired_ratios, pr
 from benchmarks.otlp_sink import OtlpSink
 
 NAME = "B5"
-TITLE = "real engine: API server + EngineCore + 2 workers, real client (stock / off / on)"
-VARIANTS = ("stock", "off", "on")
+TITLE = ("real engine: API server + EngineCore + 2 workers, real client "
+         "(stock / off / on / on_in_process)")
+VARIANTS = ("stock", "off", "on", "on_in_process")
 FULL = {"blocks": 2, "rounds": 10, "requests": 16}
 QUICK = {"blocks": 1, "rounds": 1, "requests": 8}
 
@@ -86,12 +90,14 @@ def _start(python: str, model: str, sink: OtlpSink, log_dir: str) -> dict[str, A
     base["VLLM_LOGGING_LEVEL"] = "WARNING"
     for variant in VARIANTS:
         env = dict(base)
-        if variant == "on":
-            env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint_for("on"),
-                        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+        if variant.startswith("on"):
+            env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint_for(variant),
+                        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                        "KVOBS_OTEL_EXPORT": "in-process" if variant == "on_in_process"
+                        else "sidecar"})
         else:
             env.update({"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
-        observe = {"stock": "stock", "off": "off", "on": "plugin"}[variant]
+        observe = {"stock": "stock", "off": "off"}.get(variant, "plugin")
         port = free_port()
         servers[variant] = EngineServer(ServeConfig(observe=observe), model, port,
                                         os.path.join(log_dir, f"b5-{variant}-{port}.log"),
@@ -185,6 +191,13 @@ def run(quick: bool) -> Result:
     ]
     info = [
         f"on/off TTFT: {ratio('ttft', 'on', 'off').text()}",
+        f"side by side, on_in_process/off: output tokens/s "
+        f"{ratio('tok_s', 'on_in_process', 'off').text()}; TPOT "
+        f"{ratio('tpot', 'on_in_process', 'off').text()}; TTFT "
+        f"{ratio('ttft', 'on_in_process', 'off').text()}",
+        f"on (sidecar)/on_in_process: output tokens/s "
+        f"{ratio('tok_s', 'on', 'on_in_process').text()}; TPOT "
+        f"{ratio('tpot', 'on', 'on_in_process').text()}",
         f"off/stock TTFT: {ratio('ttft', 'off', 'stock').text()}",
         f"client-side medians, on/off: TTFT {ratio('client_ttft', 'on', 'off').text()}; "
         f"TPOT {ratio('client_tpot', 'on', 'off').text()}",
@@ -193,7 +206,8 @@ def run(quick: bool) -> Result:
           f"{Spread.of([x * 1e3 for x in samples[v]['ttft']]).text('.0f', ' ms')}; "
           f"preemptions per run {Spread.of(samples[v]['preemptions']).text('.0f')}"
           for v in VARIANTS),
-        f"spans the enabled servers exported: {sum(exported['spans'].get('on', {}).values())}",
+        "spans the enabled servers exported: " + ", ".join(
+            f"{v} {sum(exported['spans'].get(v, {}).values())}" for v in ("on", "on_in_process")),
         f"failed requests: {failed}",
         "pessimistic bound: a tiny model on CPU has steps of a few ms; on 2 cores the API "
         "server, EngineCore, two workers and the client share the cores",

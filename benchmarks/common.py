@@ -179,9 +179,9 @@ def reply(stream: IO[str], obj: dict[str, Any]) -> None:
     stream.flush()
 
 
-def read_status_kib(field_name: str) -> int:
-    """A ``/proc/self/status`` field in KiB (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
+def read_status_kib(field_name: str, pid: int | str = "self") -> int:
+    """A ``/proc/<pid>/status`` field in KiB (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field_name + ":"):
                 return int(line.split()[1])

@@ -189,13 +189,14 @@ class ObserverSet:
     def _make_process_metrics(self) -> Any:
         """One meter for the process as a whole (drops, errors, deliveries):
         reported once per process, by a resource that lives as long as it."""
+        from kvobs_otel.telemetry import attributes as A
         from kvobs_otel.telemetry.metrics import MetricsBuilder
         from kvobs_otel.telemetry.providers import make_providers
 
         # A stable identity: if a connector (or the sidecar) comes back later,
         # the counts continue the same series instead of starting a second.
         providers = make_providers({
-            "kvobs.role": "process", "kvobs.export": self.mode, "process.pid": self.pid,
+            A.RES_ROLE: "process", A.RES_EXPORT: self.mode, "process.pid": self.pid,
             "service.instance.id": f"{socket.gethostname()}:{self.pid}:process"},
             traces=False)
         MetricsBuilder(providers, drops=self.drop_counts, errors=self.error_counts,

@@ -27,6 +27,7 @@ class Store:
     def __init__(self) -> None:
         self.spans: list[FileSpan] = []
         self.metric_requests: list[Any] = []
+        self.trace_requests: list[Any] = []  # as received (every attribute kept)
         self.lock = threading.Lock()
 
     def add_traces(self, req: trace_service_pb2.ExportTraceServiceRequest) -> None:
@@ -34,6 +35,7 @@ class Store:
         spans = spans_from_document(message_to_otlp_json(req))
         with self.lock:
             self.spans.extend(spans)
+            self.trace_requests.append(req)
 
     def metric_names(self) -> set[str]:
         names = set()

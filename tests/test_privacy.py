@@ -49,7 +49,7 @@ ALLOWED_KEYS = {
     # resource
     "service.name", "service.version", "service.instance.id", "host.name", "process.pid",
     "kvobs.role", "kvobs.engine.id", "kvobs.tp.rank", "kvobs.pp.rank", "kvobs.dp.rank",
-    "kvobs.device.type", "kvobs.vllm.version", "kvobs.host.adapter",
+    "kvobs.device.type", "kvobs.vllm.version", "kvobs.host.adapter", "kvobs.export",
     "telemetry.sdk.language", "telemetry.sdk.name", "telemetry.sdk.version",
     # metric point dimensions
     "direction", "outcome", "rank", "kind", "clock", "compute_kind", "reason", "stage",
@@ -160,9 +160,13 @@ def prompts() -> dict[str, list[int]]:
 def test_no_address_token_id_or_block_hash_leaves_the_process(observe):
     p = prompts()
     pointers, hashes = run_recovery(observe, p)
-    scalars, lists = everything(observe)
     assert observe.spans("kv.recovery") and observe.spans("kv.transfer")
+    assert_nothing_private(*everything(observe), p, pointers, hashes)
 
+
+def assert_nothing_private(scalars: list[tuple[str, Any]], lists: list[tuple[str, list]],
+                           p: dict[str, list[int]], pointers: set[int], hashes: set[bytes]
+                           ) -> None:
     unknown = sorted({k for k, _ in scalars if k not in ALLOWED_KEYS and k != "<span name>"})
     assert not unknown, f"attribute keys not reviewed for privacy: {unknown}"
     tokens = {t for toks in p.values() for t in toks}
@@ -201,6 +205,115 @@ def test_no_address_token_id_or_block_hash_leaves_the_process(observe):
             assert set(seq) <= JOB_IDS, (key, seq[:8])
         else:
             assert key in ID_LISTS["ranks"] and set(seq) <= {0, 1}, (key, seq[:8])
+
+
+def _any_value(v: Any) -> Any:
+    which = v.WhichOneof("value")
+    if which == "array_value":
+        return [_any_value(x) for x in v.array_value.values]
+    return getattr(v, which) if which else None
+
+
+def otlp_everything(rx) -> tuple[list[tuple[str, Any]], list[tuple[str, list]]]:
+    """As ``everything``, from the OTLP requests as they arrived (a sidecar
+    exports them): every span, event, link, resource and metric point."""
+    groups: list[dict[str, Any]] = []
+    names: list[str] = []
+
+    def attrs(kvs: Any) -> dict[str, Any]:
+        return {kv.key: _any_value(kv.value) for kv in kvs}
+
+    with rx.store.lock:
+        traces, metrics = list(rx.store.trace_requests), list(rx.store.metric_requests)
+    for req in traces:
+        for rs in req.resource_spans:
+            groups.append(attrs(rs.resource.attributes))
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    names.append(span.name)
+                    groups.append(attrs(span.attributes))
+                    groups += [attrs(e.attributes) for e in span.events]
+                    groups += [attrs(link.attributes) for link in span.links]
+    for req in metrics:
+        for rm in req.resource_metrics:
+            groups.append(attrs(rm.resource.attributes))
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    data = getattr(m, m.WhichOneof("data"))
+                    for point in data.data_points:
+                        groups.append(attrs(point.attributes))
+                        groups += [attrs(ex.filtered_attributes)
+                                   for ex in getattr(point, "exemplars", ())]
+    scalars = [kv for g in groups for kv in _values(g)] + [("<span name>", n) for n in names]
+    lists = [(k, list(v)) for g in groups for k, v in g.items() if isinstance(v, list)]
+    return scalars, lists
+
+
+def _walk(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every leaf of a pipe message, with where it sits."""
+    if isinstance(value, type):
+        return  # a lifecycle class, by reference
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(k, path + "/key")
+            yield from _walk(v, f"{path}/{k}")
+    elif isinstance(value, (list, tuple)):
+        if len(value) >= 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                   for x in value):
+            yield path, tuple(value)  # a run of ints: checked as a whole too
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{path}/{i}")
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _walk(getattr(value, name), f"{path}.{name}")
+    else:
+        yield path, value
+
+
+def test_nothing_private_crosses_to_the_sidecar_or_leaves_it(monkeypatch):
+    """The sidecar (the default export path) is a second process: what the
+    vLLM process writes into its pipe is scanned like what it exports."""
+    from kvobs_otel.sidecar import wire
+
+    from otlp_receiver import HttpReceiver
+
+    sent: list[tuple[Any, ...]] = []
+    frame = wire.frame
+    monkeypatch.setattr(wire, "frame", lambda m: (sent.append(m), frame(m))[1])
+    p = prompts()
+    with HttpReceiver() as rx:
+        for k, v in {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
+                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                     "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_METRIC_EXPORT_INTERVAL": "200"
+                     }.items():
+            monkeypatch.setenv(k, v)
+        assert kvobs_otel.instrument(Settings(enabled=True, receipt_deadline_s=1.0,
+                                              drain_interval_s=0.02))
+        try:
+            pointers, hashes = run_recovery(None, p)
+        finally:
+            kvobs_otel.uninstrument()  # waits for the sidecar to flush and exit
+        # The pipe (so a sidecar exported): no address, token id, block hash or
+        # block id list either.
+        assert any(m[0] == "events" for m in sent)
+        tokens = {t for toks in p.values() for t in toks}
+        hex_hashes = {h.hex() for h in hashes}
+        blocks = set(BLOCK_LISTS)
+        for where, value in _walk(sent):
+            if isinstance(value, tuple):
+                assert value not in blocks, (where, value)
+                assert not any(value[i:i + 3] in {b[:3] for b in blocks}
+                               for i in range(len(value) - 2)), (where, value)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                assert value not in pointers and value not in tokens, (where, value)
+            elif isinstance(value, (str, bytes)):
+                text = value.hex() if isinstance(value, bytes) else value.lower()
+                assert not any(h in text for h in hex_hashes), (where, value)
+                assert not any(f"{ptr:x}" in text for ptr in pointers), (where, value)
+        spans = list(rx.store.spans)
+        assert {s.name for s in spans} >= {"kv.recovery", "kv.transfer"}
+        assert assert_traces_match_vllm(HARNESS[0], spans) >= 1
+        assert_nothing_private(*otlp_everything(rx), p, pointers, hashes)
 
 
 KEY = b"0123456789abcdef-test-key"

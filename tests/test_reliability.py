@@ -10,6 +10,7 @@ counts what arrived).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ import kvobs_otel
 from kvobs_otel.config import Settings
 from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.harness.workload import pressure_workload
+from kvobs_otel.identity import RequestIdHasher
 from kvobs_otel.pipeline import CLOSE_TIMEOUT_S, METRICS_CLOSE_TIMEOUT_S, current_pipeline
 from kvobs_otel.telemetry import export
 
@@ -33,7 +35,11 @@ from otlp_receiver import HttpReceiver, latest_total, metric_values, received_id
 
 pytestmark = pytest.mark.vllm
 
-SETTINGS = Settings(enabled=True, receipt_deadline_s=1.0, drain_interval_s=0.02)
+KEY = b"reliability-test-key-0123456789"
+# In-process where a test looks inside the export stage (its queue, its
+# counts); the sidecar's own failures are tests/test_sidecar.py's.
+SETTINGS = Settings(enabled=True, receipt_deadline_s=1.0, drain_interval_s=0.02,
+                    export="in-process")
 # What the README promises for closing (spans, then the process's counts),
 # whatever the exporter's own timeout; plus slack for a busy machine.
 CLOSE_BOUND_S = CLOSE_TIMEOUT_S + METRICS_CLOSE_TIMEOUT_S + 2.0
@@ -83,7 +89,7 @@ def test_collector_absent_for_the_whole_run(monkeypatch, stats, caplog):
     assert dropped["metric_export_failed"] > 0 and errors["metric_export"] == 0
     lines = [r.getMessage() for r in caplog.records]
     # One line per kind of loss as it starts, and one with the totals at the end.
-    (final,) = [m for m in lines if "observations dropped in this process" in m]
+    (final,) = [m for m in lines if f"observations dropped in process {os.getpid()}" in m]
     assert f"export_failed={dropped['export_failed']}" in final, final
     lines.remove(final)
     assert sum("not delivered (export_failed)" in m for m in lines) == 1
@@ -221,23 +227,41 @@ def test_collector_killed_and_restarted_mid_run(monkeypatch, stats, tmp_path):
     assert {"befor", "after"} <= prefixes, prefixes
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_rank_processes_flush_on_sigterm_sent_equals_received(
-        monkeypatch, stats, tmp_path, start_method):
+# How a rank process ends, how it was started, and where it exports: the
+# sidecar (the default) must deliver all a rank recorded even when the rank
+# leaves without a word (SIGKILL, os._exit): its pipe's end is the signal.
+ENDINGS = [("sigterm", "fork", "sidecar"), ("sigterm", "spawn", "sidecar"),
+           ("sigkill", "fork", "sidecar"), ("os_exit", "spawn", "sidecar"),
+           ("sigterm", "fork", "in-process")]
+
+
+@pytest.mark.parametrize(("end", "start_method", "export_mode"), ENDINGS)
+def test_rank_processes_end_sent_equals_received(
+        monkeypatch, stats, tmp_path, end, start_method, export_mode):
     with HttpReceiver() as rx:
         port = free_port()
+        # Every process shares the request-id key: the pseudonyms, made in each
+        # process's export side, must still join the ranks' spans to the episode.
         env = otlp_env(monkeypatch, f"http://127.0.0.1:{port}", KVOBS_OTEL_ENABLED="1",
+                       KVOBS_OTEL_EXPORT=export_mode, KVOBS_OTEL_REQUEST_ID_KEY=KEY.decode(),
                        OTEL_BSP_SCHEDULE_DELAY="60000")  # nothing leaves before the end
         col = collector(tmp_path, port, rx.endpoint)
-        assert kvobs_otel.instrument(SETTINGS)
+        assert kvobs_otel.instrument(dataclasses.replace(SETTINGS, export=export_mode,
+                                                         request_id_key=KEY))
         try:
             cfg = HarnessConfig(num_ranks=2, rank_mode="process", start_method=start_method,
                                 extra_env=env)
             with Harness(cfg) as h:
                 run_workload(h, "term", 3)
                 pids = [r.process.pid for r in h.ranks]
-                for pid in pids:  # as the executor does on shutdown
-                    os.kill(pid, signal.SIGTERM)
+                # Everything the ranks recorded handed to their export side.
+                seen = [r.call("observation") for r in h.ranks]
+                for r in h.ranks:
+                    if end == "os_exit":
+                        r.exit_now()
+                    else:  # SIGTERM as the executor sends on shutdown
+                        os.kill(r.process.pid, signal.SIGTERM if end == "sigterm"
+                                else signal.SIGKILL)
                 for r in h.ranks:
                     r.process.join(30)
                 codes = [r.process.exitcode for r in h.ranks]
@@ -251,14 +275,22 @@ def test_rank_processes_flush_on_sigterm_sent_equals_received(
             kvobs_otel.uninstrument()
             col.stop()
         spans = list(rx.store.spans)
-    # SIGTERM became SystemExit: the rank shut its connector down and exited cleanly.
-    assert codes == [0, 0]
+    assert codes == {"sigterm": [0, 0], "sigkill": [-9, -9], "os_exit": [0, 0]}[end]
+    assert {o["export"] for o in seen} == {export_mode}
+    sidecars = {o["sidecar_pid"] for o in seen}
+    assert len(sidecars) == 2 and not sidecars & set(pids) if export_mode == "sidecar" \
+        else sidecars == {None}
     senders = {i for i, _ in metric_values(rx, "kvobs.observer.exported")}
     assert len(senders) == 3  # the scheduler process and both ranks
     ids = [(s.trace_id, s.span_id) for s in spans]
     assert len(ids) == len(set(ids))
-    rank_pids = {s.resource.get("process.pid") for s in spans
-                 if s.resource.get("kvobs.role") == "worker"}
-    assert rank_pids == set(pids)  # each rank exported under its own identity
+    workers = {(s.resource.get("process.pid"), s.resource.get("kvobs.worker.generation"))
+               for s in spans if s.resource.get("kvobs.role") == "worker"}
+    # Each rank exported under its own identity (its pid, not its sidecar's;
+    # one worker generation each), whichever way it was started.
+    assert {pid for pid, _ in workers} == set(pids)
+    assert len({gen for _, gen in workers}) == 2
     # Every recovery vLLM made, complete, judged against its own record.
-    assert assert_traces_match_vllm(h, spans) >= 1
+    assert assert_traces_match_vllm(h, spans, request_id=RequestIdHasher(KEY)) >= 1
+    assert all(s.attributes["kvobs.request.id"].startswith("rid-") for s in spans
+               if "kvobs.request.id" in s.attributes)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import vllm
@@ -24,6 +27,8 @@ from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry.metrics import MetricsBuilder
 from kvobs_otel.telemetry.spans import SpanBuilder
+
+from otel_servers import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -135,6 +140,41 @@ def test_enabled_changes_no_scheduling_decision(stock, observe):
     assert decisions(EXPLICIT) == stock
     current_pipeline().flush()
     assert observe.spans("kv.recovery")
+
+
+def test_killed_sidecar_changes_no_scheduling_decision_and_is_counted(stock, monkeypatch):
+    """The export sidecar (the default) stopped, then killed, mid-run: vLLM
+    decides exactly as without observation, and the loss is counted."""
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"):
+        monkeypatch.setenv(var, "none")  # the sidecar's export is not the question
+    assert kvobs_otel.instrument(Settings(enabled=True, drain_interval_s=0.02))
+    killed: list[int] = []
+    seen: dict[str, dict[str, int]] = {}
+
+    def killer() -> None:
+        link = wait_for(lambda: getattr(current_pipeline(), "link", None), "a sidecar")
+        wait_for(lambda: link.written > 5, "events on their way to the sidecar")
+        pid, written = link.pid, link.written
+        os.kill(pid, signal.SIGSTOP)  # what it has not read yet is lost with it
+        wait_for(lambda: link.written >= written + 5, "events it will never read")
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    def counts() -> None:
+        p = current_pipeline()
+        wait_for(lambda: (p.drain_once(), p.error_counts()["sidecar"])[1], "the death noticed")
+        seen.update(drops=p.drop_counts(), errors=p.error_counts())
+        seen["sidecar"] = {"pid": p.link.pid}
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        assert decisions(EXPLICIT, before_close=counts) == stock
+    finally:
+        kvobs_otel.uninstrument()
+    thread.join(1)
+    assert len(killed) == 1 and seen["sidecar"]["pid"] not in (None, killed[0])
+    assert seen["errors"]["sidecar"] == 1 and seen["drops"]["sidecar_lost"] >= 5
 
 
 # The other model runners and async scheduling this vLLM has (the default

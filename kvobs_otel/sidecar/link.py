@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvobs_otel.sidecar import wire
-from kvobs_otel.sidecar.main import HANDLED
+from kvobs_otel.sidecar.main import SHARED
 
 if TYPE_CHECKING:
     from kvobs_otel.pipeline import Pipeline
@@ -85,9 +85,9 @@ class SidecarLink:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(wfd, _F_SETPIPE_SZ, PIPE_BYTES)
             with tempfile.TemporaryFile() as shm_file:
-                shm_file.truncate(HANDLED.size)
+                shm_file.truncate(SHARED.size)
                 shm_fd = shm_file.fileno()
-                self._shm = mmap.mmap(shm_fd, HANDLED.size)
+                self._shm = mmap.mmap(shm_fd, SHARED.size)
                 env = dict(os.environ)
                 # The child imports this very copy of kvobs_otel.
                 root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -189,11 +189,17 @@ class SidecarLink:
         return True
 
     # -- failure ----------------------------------------------------------------------
-    def _handled(self) -> int:
+    def sidecar_counts(self) -> dict[str, int]:
+        """What the current (or last) sidecar published: events handled,
+        spans delivered, observations dropped on its side."""
         try:
-            return HANDLED.unpack_from(self._shm, 0)[0] if self._shm is not None else 0
+            values = SHARED.unpack_from(self._shm, 0) if self._shm is not None else (0, 0, 0)
         except Exception:
-            return 0
+            values = (0, 0, 0)
+        return dict(zip(("handled", "exported", "dropped"), values, strict=True))
+
+    def _handled(self) -> int:
+        return self.sidecar_counts()["handled"]
 
     def _drop_current(self, kill: bool) -> None:
         """Let go of the current sidecar, counting what it never handled."""

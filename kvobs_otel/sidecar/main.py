@@ -22,15 +22,17 @@ from kvobs_otel.sidecar import wire
 
 logger = logging.getLogger("kvobs_otel")
 
-# The shared counter: events handled so far (the parent counts the rest as
-# lost when this process dies).
-HANDLED = struct.Struct("<Q")
+# Counters shared with the parent (a file both map): events handled so far
+# (the parent counts the rest as lost when this process dies), spans
+# delivered, observations dropped on this side. The parent logs them when
+# the sidecar ends, so a loss shows in vLLM's own log too.
+SHARED = struct.Struct("<QQQ")
 
 
 class Sidecar:
     def __init__(self, rfd: int, shm_fd: int) -> None:
         self.rfd = rfd
-        self.shm = mmap.mmap(shm_fd, HANDLED.size)
+        self.shm = mmap.mmap(shm_fd, SHARED.size)
         self.handled = 0
         self.observers: Any = None  # ObserverSet, from the hello
         self.interval = 0.05
@@ -66,7 +68,7 @@ class Sidecar:
             batch = message[1]
             self.observers.handle(batch)
             self.handled += len(batch)
-            HANDLED.pack_into(self.shm, 0, self.handled)
+            self.publish()
         elif kind == "tick":
             _kind, progress, drops, errors = message
             obs = self.observers
@@ -84,9 +86,16 @@ class Sidecar:
             return False
         return True
 
+    def publish(self) -> None:
+        from kvobs_otel.telemetry import export
+
+        exported, dropped, _errors = export.STATS.snapshot()
+        SHARED.pack_into(self.shm, 0, self.handled, exported, sum(dropped.values()))
+
     def finish(self) -> int:
         if self.observers is not None:
             self.observers.close()
+        self.publish()
         return 0
 
 

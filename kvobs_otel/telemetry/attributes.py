@@ -68,3 +68,4 @@ RES_VLLM_VERSION = "kvobs.vllm.version"
 RES_HOST_ADAPTER = "kvobs.host.adapter"
 RES_HOST_CONTRACT = "kvobs.host.contract"
 RES_PROCESS_START_ID = "kvobs.process.start_id"
+RES_EXPORT = "kvobs.export"  # the process meter: sidecar or in-process

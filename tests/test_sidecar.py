@@ -211,13 +211,23 @@ PARENT = textwrap.dedent("""
     import os, sys, time
     sys.path[:0] = {paths!r}
     from test_sidecar import SETTINGS, transfers, worker
-    from kvobs_otel.pipeline import Pipeline
-    p = Pipeline(SETTINGS)
+    from kvobs_otel.pipeline import get_pipeline
+    p = get_pipeline(SETTINGS)  # the process's pipeline, as the seams get it
     key, _ = worker(p)
     transfers(p, key, 0, 40)
     p.flush()
     print(p.link.pid, flush=True)
     how = {how!r}
+    if how == "fork_then_sigkill":
+        # A child forked now (vLLM forks workers) lives on: it must not hold
+        # the sidecar's pipe open, or the sidecar would wait for it.
+        if os.fork() == 0:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)  # not holding the test's capture open either
+            os.dup2(null, 2)
+            time.sleep(60)
+            os._exit(0)
+        how = "sigkill"
     if how == "os_exit":
         os._exit(0)
     elif how == "sigkill":
@@ -230,15 +240,27 @@ PARENT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("how", ["os_exit", "sigkill", "sigterm"])
-def test_parent_death_flushes_on_pipe_eof(rx, how):
+@pytest.mark.parametrize("how", ["os_exit", "sigkill", "sigterm", "fork_then_sigkill"])
+def test_parent_death_flushes_on_pipe_eof(rx, how, tmp_path):
     """The sidecar outlives a parent that leaves by ``os._exit`` or SIGKILL
     (no atexit, no shutdown) and flushes everything it was handed."""
     here = os.path.dirname(__file__)
     code = PARENT.format(paths=[here, os.path.dirname(here)], how=how)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=os.environ.copy())
+    # Files, not pipes: the sidecar inherits them, and the test must not wait
+    # for it (or for a forked child) to let go of a pipe.
+    log = tmp_path / "parent.out"
+    with open(log, "w") as f:
+        # Nothing leaves before the end: what arrives, the flush at EOF sent.
+        env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "60000",
+               "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
+        parent = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=f, env=env)
+        parent.wait(120)
+
+    class out:  # what the parent wrote
+        stdout = stderr = log.read_text()
+
     sidecar = int(out.stdout.split()[0])
+    # Well within the forked child's 60 s: the pipe's end, not the child's.
     wait_for(lambda: len(transfer_spans(rx)) == 40,
              lambda: f"40 spans after {how} ({len(transfer_spans(rx))}); {out.stderr[-2000:]}")
     wait_for(lambda: latest_total(rx, "kvobs.observer.exported", signal="spans") == 40,

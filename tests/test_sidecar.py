@@ -10,6 +10,7 @@ test_vllm_sidecar.py); the vLLM-side checks are there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -156,16 +157,16 @@ def test_stalled_sidecar_is_killed_and_the_serving_side_never_waits(rx, monkeypa
     key, _ = worker(p)
     first = p.link.pid
     os.kill(first, signal.SIGSTOP)
-    # The serving side keeps offering while the drain thread waits on the
-    # full pipe: every offer returns at once, the surplus is dropped.
-    worst = 0.0
-    for i in range(200):
-        t = time.perf_counter()
-        p.offer((key, ev.W_SUBMIT, time.monotonic_ns(), 10_000 + i, True, True, False))
-        worst = max(worst, time.perf_counter() - t)
-        time.sleep(0.005)
-    wait_for(lambda: p.link.pid not in (None, first), "the stalled sidecar replaced")
     try:
+        # The serving side keeps offering while the drain thread waits on the
+        # full pipe: every offer returns at once, the surplus is dropped.
+        worst = 0.0
+        for i in range(200):
+            t = time.perf_counter()
+            p.offer((key, ev.W_SUBMIT, time.monotonic_ns(), 10_000 + i, True, True, False))
+            worst = max(worst, time.perf_counter() - t)
+            time.sleep(0.005)
+        wait_for(lambda: p.link.pid not in (None, first), "the stalled sidecar replaced")
         assert p.link.proc.poll() is None
         with pytest.raises(ProcessLookupError):
             os.kill(first, 0)  # killed, and reaped
@@ -173,6 +174,8 @@ def test_stalled_sidecar_is_killed_and_the_serving_side_never_waits(rx, monkeypa
         assert p.drop_counts()["sidecar_lost"] > 0
         assert worst < 0.05, worst  # an offer is a deque append, never a wait
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first, signal.SIGKILL)  # never left stopped
         p.close()
 
 

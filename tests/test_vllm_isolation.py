@@ -156,8 +156,10 @@ def test_killed_sidecar_changes_no_scheduling_decision_and_is_counted(stock, mon
         wait_for(lambda: link.written > 5, "events on their way to the sidecar")
         pid, written = link.pid, link.written
         os.kill(pid, signal.SIGSTOP)  # what it has not read yet is lost with it
-        wait_for(lambda: link.written >= written + 5, "events it will never read")
-        os.kill(pid, signal.SIGKILL)
+        try:
+            wait_for(lambda: link.written >= written + 5, "events it will never read")
+        finally:
+            os.kill(pid, signal.SIGKILL)  # never left stopped
         killed.append(pid)
 
     def counts() -> None:

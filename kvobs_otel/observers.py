@@ -29,7 +29,7 @@ logger = logging.getLogger("kvobs_otel")
 # Every stage is reported from the start (at 0), so dashboards and alerts see
 # a series before the first failure.
 ERROR_STAGES = ("seam", "lifecycle", "deadline", "span_build", "metric_record",
-                "shutdown", "export_shutdown", "sidecar")
+                "shutdown", "export_shutdown", "sidecar", "drain")
 
 # vLLM gives its EngineCore and workers 5 s after SIGTERM before it kills
 # them (--shutdown-timeout; vllm/v1/utils.py, shutdown): the final flush of

@@ -204,7 +204,10 @@ class Pipeline:
         while not self._stop:
             self._wake.wait(interval)
             self._wake.clear()
-            self.drain_once()
+            try:
+                self.drain_once()
+            except Exception:
+                self.count_error("drain")  # the thread must outlive a bug
 
     def drain_once(self) -> int:
         """Hand everything buffered now to the export side, then run its
@@ -250,6 +253,8 @@ class Pipeline:
 
     def close(self) -> None:
         """Flush and close the export side, bounded (uninstrument, exit)."""
+        if self.link is not None:  # a write waiting on a stalled sidecar gives up by then
+            self.link.closing_by = time.monotonic() + CLOSE_TIMEOUT_S + METRICS_CLOSE_TIMEOUT_S
         self.stop()
         with self._lock:
             self.registered.clear()

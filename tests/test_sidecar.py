@@ -179,6 +179,29 @@ def test_stalled_sidecar_is_killed_and_the_serving_side_never_waits(rx, monkeypa
         p.close()
 
 
+def test_close_is_bounded_when_the_sidecar_stalls(rx, monkeypatch):
+    """Shutdown with a sidecar that reads nothing (stopped) and a full pipe:
+    the vLLM process still leaves within the documented bound."""
+    from kvobs_otel.pipeline import CLOSE_TIMEOUT_S, METRICS_CLOSE_TIMEOUT_S
+
+    monkeypatch.setattr(link_mod, "PIPE_BYTES", 4096)
+    p = Pipeline(Settings(enabled=True, drain_interval_s=0.02))
+    key, _ = worker(p)
+    pid = p.link.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        transfers(p, key, 0, 2000)  # far more than the pipe holds
+        t0 = time.monotonic()
+        p.close()
+        closing = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert closing < CLOSE_TIMEOUT_S + METRICS_CLOSE_TIMEOUT_S + 1.0, closing
+    assert p.error_counts()["sidecar"] == 0  # not restarted while closing
+    assert p.drop_counts()["sidecar_lost"] > 0
+
+
 def test_sidecar_that_cannot_start_falls_back_in_process(rx, monkeypatch, caplog):
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     p = Pipeline(SETTINGS)

@@ -63,6 +63,8 @@ class SidecarLink:
         # Ended when the process's last role closed; a role made after that
         # starts a new sidecar (on the drain thread, the only writer).
         self.ended = False
+        # Set when the process is closing: no write waits past it.
+        self.closing_by = float("inf")
 
     def start(self) -> None:
         """Start the first sidecar (after the pipeline holds this link: a
@@ -110,8 +112,9 @@ class SidecarLink:
         p = self.pipeline
         hello = ("hello", p.settings, os.getpid(), time.time_ns() - time.monotonic_ns())
         # A restarted sidecar is told every role still registered.
+        # (list(): a role may register on vLLM's thread meanwhile)
         controls = [(CONTROL_KEY, REGISTER, key, spec, resource, progress is not None)
-                    for key, (spec, resource, progress) in p.registered.items()]
+                    for key, (spec, resource, progress) in list(p.registered.items())]
         self._sent_counts = None
         return self._write(wire.frame(hello)) and (
             not controls or self.send_events(controls))
@@ -170,13 +173,15 @@ class SidecarLink:
     def _write(self, data: bytes, stall_s: float | None = None) -> bool:
         stall_s = STALL_S if stall_s is None else stall_s
         view = memoryview(data)
-        deadline = time.monotonic() + stall_s
+        deadline = min(time.monotonic() + stall_s, self.closing_by)
         while view:
             try:
                 n = os.write(self.fd, view)
                 view = view[n:]
             except BlockingIOError:
                 left = deadline - time.monotonic()
+                if left <= 0 and deadline >= self.closing_by:
+                    return False  # closing: abandoned (counted by the caller), no restart
                 if left <= 0:
                     logger.warning("kvobs-otel: the export sidecar (pid %s) read nothing for "
                                    "%.0f s; killing it", self.pid, stall_s)
@@ -238,21 +243,22 @@ class SidecarLink:
     def end(self, timeout_s: float) -> None:
         """Ask the sidecar to flush and exit; wait for it at most ``timeout_s``
         (it finishes on its own if it needs longer)."""
+        self.closing_by = min(self.closing_by, time.monotonic() + timeout_s)
         proc, self.ended = self.proc, True
         if self.fd >= 0:
-            self._write(wire.frame(("end",)), stall_s=min(timeout_s, STALL_S))
+            self._write(wire.frame(("end",)))
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         if proc is not None:
             try:
-                proc.wait(timeout=timeout_s)
+                proc.wait(timeout=max(0.0, self.closing_by - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning("kvobs-otel: the export sidecar (pid %d) is still flushing "
                                "after %.1f s; leaving it to finish", proc.pid, timeout_s)
             else:
                 self.lost += max(0, self.written - self._handled())
-        self.proc = None
+        self.proc, self.closing_by = None, float("inf")
 
     def retire(self) -> None:
         """Given up on (the pipeline exports in-process from now on)."""

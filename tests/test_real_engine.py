@@ -199,8 +199,10 @@ def test_withheld_restores_of_one_rank_are_errors_naming_it(stack, model, tmp_pa
     env = {**otel_env(endpoint, service), "OTEL_EXPORTER_OTLP_TIMEOUT": "30000"}
     server = start_server(model, tmp_path, cfg, env)
     try:
-        # Requests whose restore is withheld never finish: give up on them.
-        result = load(server, timeout_s=20.0)
+        # Requests whose restore is withheld never finish: give up on them. A
+        # total deadline too: rank 1's collectives spin while it withholds, and
+        # on 2 cores the other requests' streams can trickle for many minutes.
+        result = load(server, timeout_s=20.0, deadline_s=120.0)
         preemptions = server.metric("vllm:num_preemptions_total")
     finally:
         # Stop the spinning engine before reading Jaeger (its spans are out:

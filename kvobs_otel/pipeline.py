@@ -216,28 +216,25 @@ class Pipeline:
             return self._drain_locked()
 
     def _drain_locked(self) -> int:
-        n = 0
+        batches = []
         while True:
             batch = self.buffer.drain()
             if not batch:
                 break
-            n += len(batch)
-            self._deliver(batch)
+            batches.append(batch)
         progress = {key: p() for key, (_s, _r, p) in list(self.registered.items())
                     if p is not None}
         if self.link is not None:
-            self.link.tick(progress)
-        if self.local is not None:
+            self.link.check()  # (may fall back in-process)
+        if self.link is not None:
+            self.link.send(batches, progress)  # one write for the whole cycle
+        else:
             local = self.local
+            for batch in batches:
+                local.handle(batch)
             local.progress.update(progress)
             local.tick(time.monotonic_ns())
-        return n
-
-    def _deliver(self, batch: list[tuple[Any, ...]]) -> None:
-        if self.link is not None:
-            self.link.send_events(batch)
-        else:
-            self.local.handle(batch)  # type: ignore[union-attr]
+        return sum(len(b) for b in batches)
 
     def flush(self) -> None:
         """Everything recorded so far handed to the export side (in-process:

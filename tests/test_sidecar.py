@@ -100,6 +100,54 @@ def test_spans_leave_from_the_sidecar_under_the_vllm_process_identity(rx):
     assert p.link.proc is None
 
 
+def test_a_drain_cycle_is_one_write_and_a_partial_write_counts_whole_frames(rx, monkeypatch):
+    """Every blocking call of the drain thread gives the GIL up and takes it
+    back from vLLM's busy thread: a cycle writes its batches and the counts
+    at once. And a write that fails part-way counts each event exactly: the
+    frames wholly in the pipe as written, the rest as lost."""
+    p = Pipeline(Settings(enabled=True, drain_interval_s=60.0))  # cycles by hand
+    try:
+        key, _ = worker(p)
+        p.flush()
+        writes: list[int] = []
+        real_write = os.write
+
+        def spy(fd, data):
+            writes.append(len(data))
+            return real_write(fd, data)
+        monkeypatch.setattr(link_mod.os, "write", spy)
+        transfers(p, key, 0, 3000)  # 6001 events: two batches of the buffer's drain
+        p.registered[key] = (*p.registered[key][:2], lambda: 7)  # and a progress tick
+        p.link._sent_counts = None
+        p.flush()
+        assert len(writes) == 1, writes
+        wait_for(lambda: len(transfer_spans(rx)) == 3000, "the cycle's spans")
+        assert p.link.lost == 0 and p.link.written >= 6001
+
+        # A write the pipe takes only part of, then EPIPE: the first frame was
+        # wholly written, the second not.
+        written, lost = p.link.written, p.link.lost
+        frames = [wire.frame(("events", [(key, ev.W_RESULT, 0, 1, True, 1, None)] * n))
+                  for n in (5, 7)]
+        calls = []
+
+        def partial(fd, data):
+            if calls:
+                raise BrokenPipeError
+            calls.append(1)
+            return real_write(fd, bytes(data[:len(frames[0]) + 3]))
+        monkeypatch.setattr(link_mod.os, "write", partial)
+        monkeypatch.setattr(link_mod.SidecarLink, "_start", lambda self: False)
+        assert not p.link._write_frames([(frames[0], 5), (frames[1], 7)])
+        assert (p.link.lost - lost) >= 7  # the second frame, whatever the sidecar handled
+        assert p.link.written == 0  # the failed sidecar's account is closed
+        # Exactly: what it never handled of what was written, plus the 7.
+        assert p.link.lost - lost == 7 + max(0, written + 5 - p.link._handled())
+    finally:
+        monkeypatch.undo()
+        p.close()
+
+
 def test_sidecar_in_its_own_session_ignores_ctrl_c(rx):
     p = Pipeline(SETTINGS)
     pid = p.link.pid

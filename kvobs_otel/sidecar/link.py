@@ -45,6 +45,7 @@ logger = logging.getLogger("kvobs_otel")
 STALL_S = 10.0
 MAX_FAILURES = 3
 FAILURE_WINDOW_S = 300.0
+POLL_S = 1.0  # how often an idle drain cycle checks that the sidecar lives
 # A larger pipe absorbs bursts while the sidecar is busy (Linux; best effort).
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -65,6 +66,10 @@ class SidecarLink:
         self.ended = False
         # Set when the process is closing: no write waits past it.
         self.closing_by = float("inf")
+        self._next_poll = 0.0
+        # The write in progress: its frames (bytes, events) and bytes sent.
+        self._inflight: list[tuple[int, int]] = []
+        self._sent = 0
 
     def start(self) -> None:
         """Start the first sidecar (after the pipeline holds this link: a
@@ -138,50 +143,82 @@ class SidecarLink:
 
         self.send_events([(CONTROL_KEY, CLOSE, key)])
 
+    def check(self) -> None:
+        """Once per drain cycle, before ``send``: restart an ended sidecar
+        for a new role, and at most once a second (waitpid) notice a dead one
+        (a write notices it too, by EPIPE). May hand the pipeline back to
+        in-process (past the restart budget)."""
+        self._restart_if_ended()
+        now = time.monotonic()
+        if now >= self._next_poll:
+            self._next_poll = now + POLL_S
+            if self.proc is not None and self.proc.poll() is not None:
+                self._failed()
+
     def send_events(self, batch: list[tuple[Any, ...]]) -> bool:
-        self._restart_if_ended()
-        if self.fd < 0:
-            self.lost += len(batch)
-            return False
-        try:
-            data = wire.frame(("events", batch))
-        except Exception:
-            # An event that does not pickle is an observer bug: count it.
-            self.pipeline.count_error("seam")
-            self.lost += len(batch)
-            return False
-        if self._write(data):
-            self.written += len(batch)
-            return True
-        self.lost += len(batch)
-        return False
+        return self.send([batch], None)
 
-    def tick(self, progress: dict[int, int]) -> None:
-        """Once per drain cycle: notice a dead sidecar, and send the counts
-        and step progress when they changed."""
+    def send(self, batches: list[list[tuple[Any, ...]]], progress: dict[int, int] | None
+             ) -> bool:
+        """What one drain cycle has for the sidecar: the event batches, then
+        (``progress`` given: a drain cycle) the counts and step progress if
+        they changed, in as few writes as the pipe takes (usually one): every
+        blocking call gives up the GIL and takes it back from vLLM's busy
+        serving thread, which costs both threads far more than the call."""
         self._restart_if_ended()
-        if self.proc is not None and self.proc.poll() is not None:
-            self._failed()
-        if self.fd < 0:
-            return
-        p = self.pipeline
-        counts = (progress, p.own_drops(), p.own_errors())
-        if counts != self._sent_counts:
-            self._sent_counts = counts
-            self._write(wire.frame(("tick", *counts)))
+        group: list[tuple[bytes, int]] = []
+        size, ok = 0, True
+        for batch in batches:
+            try:
+                if self.fd < 0:
+                    raise BrokenPipeError
+                data = wire.frame(("events", batch))
+            except Exception as e:
+                if not isinstance(e, BrokenPipeError):
+                    # An event that does not pickle is an observer bug: count it.
+                    self.pipeline.count_error("seam")
+                self.lost += len(batch)
+                ok = False
+                continue
+            if group and size + len(data) > PIPE_BYTES:
+                ok = self._write_frames(group) and ok
+                group, size = [], 0
+            group.append((data, len(batch)))
+            size += len(data)
+        if progress is not None and self.fd >= 0:
+            p = self.pipeline
+            counts = (progress, p.own_drops(), p.own_errors())
+            if counts != self._sent_counts:
+                self._sent_counts = counts
+                group.append((wire.frame(("tick", *counts)), 0))
+        return (self._write_frames(group) if group else True) and ok
 
-    def _write(self, data: bytes, stall_s: float | None = None) -> bool:
+    def _write_frames(self, frames: list[tuple[bytes, int]]) -> bool:
+        if self.fd < 0:
+            self.lost += sum(n for _, n in frames)
+            return False
+        data = b"".join(f for f, _ in frames) if len(frames) > 1 else frames[0][0]
+        return self._write(data, [(len(f), n) for f, n in frames])
+
+    def _write(self, data: bytes, frames: list[tuple[int, int]] | None = None,
+               stall_s: float | None = None) -> bool:
+        """Write ``data`` (``frames``: its frames' sizes and event counts, so
+        the events of frames wholly written count as written, the others as
+        lost, whatever happens)."""
         stall_s = STALL_S if stall_s is None else stall_s
+        self._inflight, self._sent = frames or [], 0
         view = memoryview(data)
         deadline = min(time.monotonic() + stall_s, self.closing_by)
         while view:
             try:
                 n = os.write(self.fd, view)
                 view = view[n:]
+                self._sent += n
             except BlockingIOError:
                 left = deadline - time.monotonic()
                 if left <= 0 and deadline >= self.closing_by:
-                    return False  # closing: abandoned (counted by the caller), no restart
+                    self._settle()
+                    return False  # closing: abandoned (counted), no restart
                 if left <= 0:
                     logger.warning("kvobs-otel: the export sidecar (pid %s) read nothing for "
                                    "%.0f s; killing it", self.pid, stall_s)
@@ -191,7 +228,20 @@ class SidecarLink:
             except OSError:
                 self._failed()  # EPIPE: the sidecar is gone
                 return False
+        self._settle()
         return True
+
+    def _settle(self) -> None:
+        """Account the events of the last write's frames."""
+        sent = self._sent
+        for size, events in self._inflight:
+            if sent >= size:
+                self.written += events
+                sent -= size
+            else:
+                self.lost += events
+                sent = 0
+        self._inflight, self._sent = [], 0
 
     # -- failure ----------------------------------------------------------------------
     def sidecar_counts(self) -> dict[str, int]:
@@ -208,6 +258,7 @@ class SidecarLink:
 
     def _drop_current(self, kill: bool) -> None:
         """Let go of the current sidecar, counting what it never handled."""
+        self._settle()  # a write it failed: its whole frames reached the pipe
         proc = self.proc
         if proc is not None and kill:
             with contextlib.suppress(OSError):

@@ -27,6 +27,7 @@ logger = logging.getLogger("kvobs_otel")
 # delivered, observations dropped on this side. The parent logs them when
 # the sidecar ends, so a loss shows in vLLM's own log too.
 SHARED = struct.Struct("<QQQ")
+SIDECAR_TICK_S = 0.05  # lifecycle deadlines are checked this often
 
 
 class Sidecar:
@@ -79,7 +80,8 @@ class Sidecar:
             from kvobs_otel.observers import ObserverSet
 
             _kind, settings, pid, offset_ns = message
-            self.interval = settings.drain_interval_s
+            # Deadlines run here at the usual pace: waking costs vLLM nothing.
+            self.interval = min(settings.drain_interval_s, SIDECAR_TICK_S)
             self.observers = ObserverSet(settings, pid=pid, clock_offset_ns=offset_ns,
                                          mode=EXPORT_SIDECAR)
         elif kind == "end":

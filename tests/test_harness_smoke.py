@@ -9,6 +9,7 @@ backend. Model Runner V1 cases run where vLLM still has that runner (0.32,
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import pytest
 import torch
@@ -188,6 +189,31 @@ def test_stall_withholds_load_completions():
         assert h.rank_call(0, "withheld_job_ids") == []
         status = h.scheduler.requests[job.req_id].status
         assert status.name == "WAITING_FOR_REMOTE_KVS"
+
+
+def test_stall_with_release_reports_completions_late():
+    """``release_after_s``: the copy hangs that long, then is reported; the
+    requests waiting on it finish."""
+    release = 0.5
+    cfg = HarnessConfig(num_ranks=NUM_RANKS,
+                        stall={"rank": 1, "kind": "load", "release_after_s": release})
+    with Harness(cfg) as h:
+        pressure_workload(h)
+        while not h.restore_jobs and len(h.steps) < 1000:
+            h.step()
+        assert h.restore_jobs
+        job = h.restore_jobs[0]
+        t0 = time.monotonic()
+        h.run(3)
+        if time.monotonic() - t0 < release:  # still inside the hang
+            assert h.pending_jobs().get(job.job_id) == 1
+            assert job.job_id in h.rank_call(1, "withheld_job_ids")
+        while job.job_id in h.pending_jobs() and time.monotonic() - t0 < 30:
+            h.step()
+        assert job.job_id not in h.pending_jobs()  # rank 1 reported it, late
+        assert h.rank_call(1, "withheld_job_ids") == []
+        h.run_until_idle(max_steps=2000)
+        assert not h.has_work()  # every request finished
 
 
 def test_preempt_evict_abort_reset_sync_loads():

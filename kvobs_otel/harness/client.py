@@ -80,16 +80,14 @@ def traceparent_for(index: int, salt: str = "") -> tuple[str, str]:
 
 async def _one(client: object, model: str, i: int, prompt: str, max_tokens: int,
                traced: bool, salt: str, sem: asyncio.Semaphore,
-               on_done: Callable[[Completion], None] | None,
-               deadline_s: float | None = None) -> Completion:
+               on_done: Callable[[Completion], None] | None) -> Completion:
     c = Completion(index=i, request_id=f"{salt}-{i}")
     headers = {"X-Request-Id": c.request_id}
     if traced:
         headers["traceparent"], c.trace_id = traceparent_for(i, salt)
     async with sem:
         t0 = time.perf_counter()
-
-        async def receive() -> None:
+        try:
             stream = await client.completions.create(  # type: ignore[attr-defined]
                 model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                 stream=True, extra_headers=headers,
@@ -100,11 +98,6 @@ async def _one(client: object, model: str, i: int, prompt: str, max_tokens: int,
                     c.ttft_s = time.perf_counter() - t0
                 if chunk.usage is not None:
                     c.tokens = chunk.usage.completion_tokens
-
-        try:
-            # The client's timeout is per read: a stream that trickles never
-            # hits it. ``deadline_s`` bounds the whole request.
-            await asyncio.wait_for(receive(), deadline_s)
         except Exception as e:  # counted per request; the caller decides
             c.error = f"{type(e).__name__}: {e}"
         c.latency_s = time.perf_counter() - t0
@@ -115,8 +108,7 @@ async def _one(client: object, model: str, i: int, prompt: str, max_tokens: int,
 
 async def _run(base_url: str, n_requests: int, concurrency: int, prompt_words: int,
                max_tokens: int, traced_every: int, seed: int, salt: str,
-               timeout_s: float, on_done: Callable[[Completion], None] | None,
-               deadline_s: float | None = None) -> LoadResult:
+               timeout_s: float, on_done: Callable[[Completion], None] | None) -> LoadResult:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout_s,
@@ -126,7 +118,7 @@ async def _run(base_url: str, n_requests: int, concurrency: int, prompt_words: i
     try:
         done = await asyncio.gather(*(
             _one(client, "tiny", i, corpus(prompt_words, seed * 100_003 + i), max_tokens,
-                 traced_every > 0 and i % traced_every == 0, salt, sem, on_done, deadline_s)
+                 traced_every > 0 and i % traced_every == 0, salt, sem, on_done)
             for i in range(n_requests)))
     finally:
         await client.close()
@@ -136,13 +128,9 @@ async def _run(base_url: str, n_requests: int, concurrency: int, prompt_words: i
 def run_load(base_url: str, n_requests: int = 16, concurrency: int | None = None,
              prompt_words: int = 100, max_tokens: int = 96, traced_every: int = 4,
              seed: int = 0, salt: str = "kvobs", timeout_s: float = 300.0,
-             on_done: Callable[[Completion], None] | None = None,
-             deadline_s: float | None = None) -> LoadResult:
+             on_done: Callable[[Completion], None] | None = None) -> LoadResult:
     """Send ``n_requests`` streamed completions, ``concurrency`` at a time
     (default: all at once); every ``traced_every``-th carries a traceparent.
-    ``timeout_s`` bounds each read, ``deadline_s`` (if given) each request as
-    a whole (a request past it counts as failed). ``on_done`` is called (in
-    the client's event loop) as each one ends."""
+    ``on_done`` is called (in the client's event loop) as each one ends."""
     return asyncio.run(_run(base_url, n_requests, concurrency or n_requests, prompt_words,
-                            max_tokens, traced_every, seed, salt, timeout_s, on_done,
-                            deadline_s))
+                            max_tokens, traced_every, seed, salt, timeout_s, on_done))

@@ -38,6 +38,8 @@ makes the worker of rank 1 withhold the completions of its load jobs forever
 (``kind`` is ``"load"``, ``"store"`` or ``"any"``; ``rank`` may be a list):
 the copy still happens, but the job is never reported, as if the copy hung
 on that rank. The scheduler's job then stays pending (pending_count > 0).
+With ``"release_after_s": N`` each completion is reported N seconds late
+instead (a copy that hung for N s): the requests waiting on it then finish.
 
 ::
 
@@ -105,9 +107,11 @@ def _rule_for_rank(key: str, raw: dict[str, Any] | None, rank: int) -> frozenset
 
 @dataclass
 class StallRule:
-    """Which of this rank's completions to withhold."""
+    """Which of this rank's completions to withhold, and for how long (None:
+    for ever)."""
 
     kinds: frozenset[str]
+    release_after_s: float | None = None
 
     def withholds(self, kind: str) -> bool:
         return "any" in self.kinds or kind in self.kinds
@@ -115,8 +119,14 @@ class StallRule:
 
 def parse_stall(extra_config: dict[str, Any], rank: int) -> StallRule | None:
     """The stall rule that applies to ``rank``, if any."""
-    kinds = _rule_for_rank(STALL_KEY, extra_config.get(STALL_KEY), rank)
-    return None if kinds is None else StallRule(kinds)
+    raw = extra_config.get(STALL_KEY)
+    kinds = _rule_for_rank(STALL_KEY, raw, rank)
+    if kinds is None:
+        return None
+    release = raw.get("release_after_s")
+    if release is not None and not (isinstance(release, (int, float)) and release >= 0):
+        raise ValueError(f"{STALL_KEY}.release_after_s must be a number >= 0: {release!r}")
+    return StallRule(kinds, None if release is None else float(release))
 
 
 @dataclass
@@ -233,7 +243,7 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
         self.transfer_log: list[TransferRecord] = []
         # Done copies, reported in submission order by the next get_finished.
         self._done: deque[TransferResult] = deque()
-        self._withheld: dict[int, TransferResult] = {}
+        self._withheld: dict[int, tuple[TransferResult, float]] = {}  # (result, since)
         self._kinds: dict[int, str] = {}
         self.failed_job_ids: list[int] = []
 
@@ -257,12 +267,21 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         results: list[TransferResult] = []
+        stall = self.stall
+        if stall is not None and stall.release_after_s is not None and self._withheld:
+            # Copies that hung long enough: reported now, late.
+            due = time.monotonic() - stall.release_after_s
+            for job_id, (result, since) in list(self._withheld.items()):
+                if since <= due:
+                    del self._withheld[job_id]
+                    self._kinds.pop(job_id, None)
+                    results.append(result)
         while self._done:
             result = self._done.popleft()
             kind = self._kinds.get(result.job_id, "store")
-            if self.stall is not None and self.stall.withholds(kind):
-                # The hung copy: this rank never reports the job.
-                self._withheld[result.job_id] = result
+            if stall is not None and stall.withholds(kind):
+                # The hung copy: this rank does not report the job (yet).
+                self._withheld[result.job_id] = (result, time.monotonic())
                 continue
             self._kinds.pop(result.job_id, None)
             results.append(result)

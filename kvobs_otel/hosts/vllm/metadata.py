@@ -47,8 +47,12 @@ class ReceiptWorkerMetadata(OffloadingWorkerMetadata):
     def aggregate(self, other: Any) -> Any:
         # vLLM merges its own fields (sums counts, unions failures, adds stats).
         merged = OffloadingWorkerMetadata.aggregate(self, other)
-        return extend(merged, self.reporters + getattr(other, "reporters", ()),
-                      self.computed + getattr(other, "computed", ()))
+        # vLLM's fresh object, held by no one else: ours by a change of class
+        # (every field it has stays as vLLM set it).
+        merged.__class__ = ReceiptWorkerMetadata
+        merged.reporters = self.reporters + getattr(other, "reporters", ())
+        merged.computed = self.computed + getattr(other, "computed", ())
+        return merged
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Every rank pickles one of these per step that finished a transfer or
@@ -69,13 +73,19 @@ def extend(meta: Any, reporters: tuple[Any, ...], computed: tuple[Any, ...]
     who reported. ``meta`` None: vLLM had nothing to report this step."""
     if meta is None:
         return ReceiptWorkerMetadata(reporters=reporters, computed=computed)
-    kwargs = {name: getattr(meta, name) for name in VLLM_FIELDS}
-    return ReceiptWorkerMetadata(**kwargs, reporters=reporters, computed=computed)
+    # A copy of vLLM's object (never changed: vLLM may still hold it), every
+    # attribute as vLLM set it; no __init__ (it runs per rank and step).
+    out = ReceiptWorkerMetadata.__new__(ReceiptWorkerMetadata)
+    out.__dict__.update(meta.__dict__)
+    out.reporters, out.computed = reporters, computed
+    return out
 
 
 def _rebuild(values: tuple[Any, ...], reporters: tuple[Any, ...],
              computed: tuple[Any, ...]) -> ReceiptWorkerMetadata:
-    kwargs = {}
+    out = ReceiptWorkerMetadata.__new__(ReceiptWorkerMetadata)
+    d = out.__dict__
     for name, value in zip(VLLM_FIELDS, values, strict=True):
-        kwargs[name] = _DEFAULTS[name]() if value is None and name in _DEFAULTS else value
-    return ReceiptWorkerMetadata(**kwargs, reporters=reporters, computed=computed)
+        d[name] = _DEFAULTS[name]() if value is None and name in _DEFAULTS else value
+    d["reporters"], d["computed"] = reporters, computed
+    return out

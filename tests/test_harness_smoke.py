@@ -175,14 +175,19 @@ def test_process_mode(reference, start_method):
         assert rank.process.exitcode == 0
 
 
+def _first_restore(h: Harness):
+    """Run the pressure workload until vLLM submits its first restore."""
+    pressure_workload(h)
+    while not h.restore_jobs and len(h.steps) < 1000:
+        h.step()
+    assert h.restore_jobs
+    return h.restore_jobs[0]
+
+
 def test_stall_withholds_load_completions():
     cfg = HarnessConfig(num_ranks=NUM_RANKS, stall={"rank": 1, "kind": "load"})
     with Harness(cfg) as h:
-        pressure_workload(h)
-        while not h.restore_jobs and len(h.steps) < 1000:
-            h.step()
-        assert h.restore_jobs
-        job = h.restore_jobs[0]
+        job = _first_restore(h)
         h.run(20)  # plenty of time for a CPU copy to be reported
         assert h.pending_jobs().get(job.job_id) == 1  # rank 0 reported, rank 1 never
         assert job.job_id in h.rank_call(1, "withheld_job_ids")
@@ -198,11 +203,7 @@ def test_stall_with_release_reports_completions_late():
     cfg = HarnessConfig(num_ranks=NUM_RANKS,
                         stall={"rank": 1, "kind": "load", "release_after_s": release})
     with Harness(cfg) as h:
-        pressure_workload(h)
-        while not h.restore_jobs and len(h.steps) < 1000:
-            h.step()
-        assert h.restore_jobs
-        job = h.restore_jobs[0]
+        job = _first_restore(h)
         t0 = time.monotonic()
         h.run(3)
         if time.monotonic() - t0 < release:  # still inside the hang

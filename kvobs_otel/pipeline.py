@@ -68,7 +68,9 @@ class Pipeline:
         self._pid = os.getpid()
         self._next_key = 1
         self._keys = threading.Lock()
-        self._retired_lost = 0  # sidecar_lost of a link given up on
+        # Links given up on: their sidecar_lost still counts (read live: a
+        # write in progress when the link was retired may still add to it).
+        self._retired: list[Any] = []
         # key -> (spec, resource, progress): what a (re)started sidecar is told
         self.registered: dict[int, tuple[LifecycleSpec, dict[str, Any],
                                          Callable[[], int] | None]] = {}
@@ -100,7 +102,8 @@ class Pipeline:
 
     def own_drops(self) -> dict[str, int]:
         """What this process lost before the export side saw it."""
-        lost = self._retired_lost + (self.link.lost if self.link is not None else 0)
+        lost = sum(link.lost for link in self._retired) + (
+            self.link.lost if self.link is not None else 0)
         out = {"buffer_full": self.buffer.dropped_full}
         if lost or self.settings.export != EXPORT_IN_PROCESS:
             out["sidecar_lost"] = lost
@@ -184,7 +187,7 @@ class Pipeline:
         as with KVOBS_OTEL_EXPORT=in-process (called with the lock held)."""
         if self.link is not None:
             self.link.retire()
-            self._retired_lost += self.link.lost
+            self._retired.append(self.link)
             self.link = None
         local = self.local = ObserverSet(self.settings)
         self._share_counts(local)

@@ -281,6 +281,32 @@ def test_crash_loop_is_bounded_then_in_process(rx, monkeypatch):
     assert {100, 101} <= {s.attributes["kvobs.job.id"] for s in transfer_spans(rx)}
 
 
+def test_a_cycle_that_falls_back_in_process_mid_write_still_counts_every_event(rx, monkeypatch):
+    """The last allowed failure happens in the first of a cycle's writes (a
+    cycle carrying more than the pipe): the link is given up on, and what
+    the rest of that cycle held is still counted, on the retired link."""
+    p = Pipeline(Settings(enabled=True, drain_interval_s=60.0))  # cycles by hand
+    try:
+        key, _ = worker(p)
+        p.flush()
+        wait_for(lambda: p.link._handled() == p.link.written, "the registration handled")
+        p.link.failures = [time.monotonic()] * link_mod.MAX_FAILURES  # budget spent
+        before = p.own_drops()["sidecar_lost"]
+
+        def epipe(fd, data):
+            raise BrokenPipeError
+        monkeypatch.setattr(link_mod.os, "write", epipe)
+        offered = 0
+        for j in range(6000):  # ~0.4 kB each (distinct: pickle would share one)
+            offered += p.offer((key, ev.W_RESULT, 0, j, True, 1, f"{j:0400d}"))
+        p.flush()
+        assert p.link is None and p.local is not None  # fell back in-process
+        assert p.own_drops()["sidecar_lost"] - before == offered
+    finally:
+        monkeypatch.undo()
+        p.close()
+
+
 PARENT = textwrap.dedent("""
     import os, sys, time
     sys.path[:0] = {paths!r}

@@ -144,11 +144,9 @@ class SidecarLink:
         self.send_events([(CONTROL_KEY, CLOSE, key)])
 
     def check(self) -> None:
-        """Once per drain cycle, before ``send``: restart an ended sidecar
-        for a new role, and at most once a second (waitpid) notice a dead one
-        (a write notices it too, by EPIPE). May hand the pipeline back to
-        in-process (past the restart budget)."""
-        self._restart_if_ended()
+        """Once per drain cycle, before ``send``: at most once a second
+        (waitpid) notice a dead sidecar (a write notices it too, by EPIPE).
+        May hand the pipeline back to in-process (past the restart budget)."""
         now = time.monotonic()
         if now >= self._next_poll:
             self._next_poll = now + POLL_S
@@ -169,14 +167,15 @@ class SidecarLink:
         group: list[tuple[bytes, int]] = []
         size, ok = 0, True
         for batch in batches:
+            if self.fd < 0:  # no sidecar (a write of this cycle failed)
+                self.lost += len(batch)
+                ok = False
+                continue
             try:
-                if self.fd < 0:
-                    raise BrokenPipeError
                 data = wire.frame(("events", batch))
-            except Exception as e:
-                if not isinstance(e, BrokenPipeError):
-                    # An event that does not pickle is an observer bug: count it.
-                    self.pipeline.count_error("seam")
+            except Exception:
+                # An event that does not pickle is an observer bug: count it.
+                self.pipeline.count_error("seam")
                 self.lost += len(batch)
                 ok = False
                 continue
@@ -197,18 +196,15 @@ class SidecarLink:
         if self.fd < 0:
             self.lost += sum(n for _, n in frames)
             return False
-        data = b"".join(f for f, _ in frames) if len(frames) > 1 else frames[0][0]
-        return self._write(data, [(len(f), n) for f, n in frames])
+        return self._write(b"".join(f for f, _ in frames), [(len(f), n) for f, n in frames])
 
-    def _write(self, data: bytes, frames: list[tuple[int, int]] | None = None,
-               stall_s: float | None = None) -> bool:
+    def _write(self, data: bytes, frames: list[tuple[int, int]] | None = None) -> bool:
         """Write ``data`` (``frames``: its frames' sizes and event counts, so
         the events of frames wholly written count as written, the others as
         lost, whatever happens)."""
-        stall_s = STALL_S if stall_s is None else stall_s
         self._inflight, self._sent = frames or [], 0
         view = memoryview(data)
-        deadline = min(time.monotonic() + stall_s, self.closing_by)
+        deadline = min(time.monotonic() + STALL_S, self.closing_by)
         while view:
             try:
                 n = os.write(self.fd, view)
@@ -221,7 +217,7 @@ class SidecarLink:
                     return False  # closing: abandoned (counted), no restart
                 if left <= 0:
                     logger.warning("kvobs-otel: the export sidecar (pid %s) read nothing for "
-                                   "%.0f s; killing it", self.pid, stall_s)
+                                   "%.0f s; killing it", self.pid, STALL_S)
                     self._failed(kill=True)
                     return False
                 select.select([], [self.fd], [], min(left, 0.5))

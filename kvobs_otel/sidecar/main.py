@@ -36,7 +36,7 @@ class Sidecar:
         self.shm = mmap.mmap(shm_fd, SHARED.size)
         self.handled = 0
         self.observers: Any = None  # ObserverSet, from the hello
-        self.interval = 0.05
+        self.interval = SIDECAR_TICK_S
 
     def run(self) -> int:
         reader = wire.FrameReader()

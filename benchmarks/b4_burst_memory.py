@@ -23,9 +23,15 @@ the events' memory: its growth should approach offered x bytes/event.
 The export sidecar (``--sidecar``): the drain thread runs and the sidecar
 exports to an endpoint that accepts connections and never answers, so its
 export queue fills and stays full. Its peak RSS growth (VmHWM of the sidecar
-process) under a burst of 1 x and of 10 x the buffer: bounded means the
-second is no larger than the first (the export queue and the lifecycle
-tables have fixed bounds; the burst only adds drops).
+process) under bursts of 1x, 10x and 30x the buffer. Bounded means growth
+stops once the sidecar's bounded structures are full: the 30x burst takes
+no more memory than the 10x one (the export queue, the lifecycle tables and
+the reads ahead of them have fixed bounds; a larger burst only adds drops).
+The 1x burst does not fill the export queue (nothing dropped there), so it is
+reported, not compared: measured, 1x took 15.6 MiB and 10x 26-31 MiB because
+10x fills the 16,384-span export queue; 30x took 28.0 MiB against 10x's 26.0.
+A 10x run that dropped nothing in the sidecar did not saturate it and fails
+the benchmark rather than passing it vacuously.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from benchmarks.common import (
 NAME = "B4"
 TITLE = "memory under a 10x burst, export side stalled"
 FACTOR = 10
+SIDECAR_FACTORS = (1, FACTOR, 3 * FACTOR)  # 1x for the record; 30x / 10x is the goal
 ALLOWANCE = 4 << 20  # bytes
 CALLS = 100  # calls per replay batch: a small warm-up leaves little free memory to reuse
 
@@ -201,9 +208,9 @@ def run(quick: bool) -> Result:
         r = _spawn(n, FACTOR * size, quick)
         r["kind"] = kind
         runs.append(r)
-    side: dict[int, list[dict[str, Any]]] = {1: [], FACTOR: []}
+    side: dict[int, list[dict[str, Any]]] = {f: [] for f in SIDECAR_FACTORS}
     for i in range(1 if quick else 2):
-        for factor in (1, FACTOR):
+        for factor in SIDECAR_FACTORS:
             progress(f"B4: sidecar, process {i + 1}: burst {factor} x {size} events, "
                      "export stalled")
             side[factor].append(_spawn(size, factor * size, quick, sidecar=True))
@@ -218,11 +225,18 @@ def run(quick: bool) -> Result:
         Goal("drops counted - (offered - capacity)",
              Spread.of([abs(r["drop_error"]) for r in bounded]), "<=", 0, unit=" events",
              fmt=".0f"),
-        Goal(f"sidecar peak RSS growth, burst {FACTOR}x / 1x the buffer (export stalled)",
+        Goal(f"sidecar peak RSS growth, burst {3 * FACTOR}x / {FACTOR}x the buffer "
+             "(export stalled)",
              Spread.of([a["growth_bytes"] / max(b["growth_bytes"], 1 << 20)
-                        for a, b in zip(side[FACTOR], side[1], strict=True)]), "<=", 1.25,
-             note="1 MiB floor on the 1x growth"),
+                        for a, b in zip(side[3 * FACTOR], side[FACTOR], strict=True)]),
+             "<=", 1.25, note="1 MiB floor on the 10x growth"),
     ]
+    unsaturated = [r for r in side[FACTOR] if r["sidecar_dropped"] == 0]
+    if unsaturated and not quick:
+        # Nothing dropped: the export queue never filled, the ratio would say nothing.
+        raise RuntimeError(f"B4: a {FACTOR}x burst did not saturate the sidecar's export "
+                           f"queue ({len(unsaturated)} of {len(side[FACTOR])} runs dropped "
+                           "nothing): the bounded-memory comparison would be vacuous")
     info = []
     for r in runs:
         unbounded = r["offered"] * r["bytes_per_event"]

@@ -9,6 +9,7 @@ backend. Model Runner V1 cases run where vLLM still has that runner (0.32,
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -164,9 +165,17 @@ def test_process_mode(reference, start_method):
         rank_mode="process",
         start_method=start_method,
         extra_env={"KVOBS_HARNESS_TEST": start_method},
+        rank_env={1: {"KVOBS_HARNESS_RANK": "one"}},
     )
     with h:
         assert h.outputs == reference
+        # A rank's own environment is in its process only, and a spawned one
+        # was exec'd with it (as LD_PRELOAD needs).
+        now, at_exec = h.rank_call(1, "env", "KVOBS_HARNESS_RANK")
+        assert now == "one" and (at_exec == "one" or start_method == "fork")
+        assert h.rank_call(0, "env", "KVOBS_HARNESS_RANK") == (None, None)
+        assert h.rank_call(0, "env", "KVOBS_HARNESS_TEST")[0] == start_method
+        assert "KVOBS_HARNESS_RANK" not in os.environ
         assert h.restore_jobs
         assert _restores_read_what_was_stored(h, 1) > 0
         assert h.rank_call(1, "stats")["kv_checked_requests"] >= 1

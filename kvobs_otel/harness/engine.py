@@ -75,6 +75,10 @@ class HarnessConfig:
     # Environment for the ranks (process mode: set before vLLM is imported
     # there) and, for the duration of each call, for the engine side.
     extra_env: dict[str, str] | None = None
+    # Process mode: rank -> environment on top of extra_env, in that rank's
+    # process from its exec on (so LD_PRELOAD works under spawn): a rank on
+    # another node, with its own Collector endpoint or its own clock.
+    rank_env: dict[int, dict[str, str]] | None = None
     start_method: str = "spawn"  # process mode: "spawn" | "fork"
     block_size: int = 16
     max_num_seqs: int = 4
@@ -91,6 +95,8 @@ class HarnessConfig:
     def __post_init__(self) -> None:
         if self.rank_mode not in ("inline", "process"):
             raise ValueError(f"rank_mode must be 'inline' or 'process', not {self.rank_mode!r}")
+        if self.rank_env and self.rank_mode != "process":
+            raise ValueError("rank_env needs rank_mode='process' (inline ranks share one process)")
         # Reads vLLM's source tree only: no vLLM import before ranks set their env.
         compat.check_model_runner(self.model_runner)
 
@@ -295,7 +301,10 @@ class Harness:
             from kvobs_otel.harness.rank_process import ProcessRank
 
             for r, init in enumerate(inits):
-                self.ranks.append(ProcessRank(r, init, self.env, cfg.start_method))
+                own = {k: str(v) for k, v in ((cfg.rank_env or {}).get(r) or {}).items()}
+                with _env(own):  # inherited by the exec'd (spawn) or forked child
+                    self.ranks.append(ProcessRank(r, init, {**self.env, **own},
+                                                  cfg.start_method))
             for rank in self.ranks:
                 rank.wait_ready()
 

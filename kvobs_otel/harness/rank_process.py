@@ -110,6 +110,13 @@ def _call(runner: Any, name: str, *args: Any) -> Any:
         return runner.check_request_kv(*args)
     if name == "pid":
         return os.getpid()
+    if name == "env":
+        # (now, at exec): a spawned rank's variable must already be in the
+        # environment it was exec'd with for LD_PRELOAD-style ones to work.
+        with open("/proc/self/environ", "rb") as f:
+            pairs = (kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            at_exec = {k.decode(): v.decode(errors="replace") for k, v in pairs}
+        return os.environ.get(args[0]), at_exec.get(args[0])
     if name == "observation":
         return _observation()
     if name == "calls":

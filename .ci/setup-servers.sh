@@ -7,11 +7,13 @@
 # KVOBS_PROMTOOL_BIN=...` (one line) for eval.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# Debian packages: openssl (certificates for the TLS tests) and Chromium (the
-# HTML report's screenshot test).
+# Debian packages: openssl (certificates for the TLS tests), Chromium (the
+# HTML report's screenshot test) and libfaketime (a rank process on a skewed
+# wall clock, tests/test_clock_skew.py).
 missing=()
 command -v openssl >/dev/null || missing+=(openssl)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || missing+=(libfaketime)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "kvobs-otel: the tests need: sudo apt-get install ${missing[*]}" >&2

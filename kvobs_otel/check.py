@@ -5,6 +5,11 @@ is consistent is complete: the check judges the evidence, not the outcome
 (the alert ``KvobsRestoreFailed`` is what reports the failure). Such episodes
 are counted on their own in the summary, so a failure is visible here too
 without turning the exit status to 1.
+
+Clock skew between processes (a rank on a host whose clock is off) is
+reported as a warning and leaves the exit status alone: episodes join by
+ids, so the evidence is whole; only the timeline is shifted
+(``analysis/skew.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ import json
 from typing import Any
 
 from kvobs_otel.analysis.episodes import FAILED_RESTORE, Episode, rebuild
+from kvobs_otel.analysis.skew import DEFAULT_TOLERANCE_S, clock_skew, format_skew
 from kvobs_otel.otlp_file import FileSpan
 
 
-def check_spans(spans: list[FileSpan]) -> tuple[list[Episode], dict[str, Any]]:
+def check_spans(spans: list[FileSpan], clock_tolerance_s: float = DEFAULT_TOLERANCE_S,
+                ) -> tuple[list[Episode], dict[str, Any]]:
     episodes = rebuild(spans)
+    skew = [s.to_dict(clock_tolerance_s) for s in clock_skew(episodes)]
     incomplete = [e for e in episodes if not e.complete]
     failed = [e for e in episodes if e.outcome in FAILED_RESTORE]
     summary = {
@@ -40,11 +48,19 @@ def check_spans(spans: list[FileSpan]) -> tuple[list[Episode], dict[str, Any]]:
             "outcome": e.outcome, "failed_job_ids": e.failed_restore_jobs,
             "failed_ranks": e.failed_ranks, "complete": e.complete,
         } for e in failed],
+        # Every process compared with the process of its spans' parents;
+        # skewed ones are a warning, not a failure (joined by ids anyway).
+        "clock_tolerance_s": clock_tolerance_s,
+        "clock_skewed_processes": sum(s["skewed"] for s in skew),
+        "clock_skew": skew,
     }
     return episodes, summary
 
 
-def format_table(episodes: list[Episode], show_all: bool = False) -> str:
+def format_table(episodes: list[Episode], show_all: bool = False,
+                 summary: dict[str, Any] | None = None) -> str:
+    """The episodes (incomplete ones unless ``show_all``), the counts, and the
+    clock-skew warnings of ``summary`` (``check_spans``) when given."""
     rows = [e for e in episodes if show_all or not e.complete]
     lines = []
     if rows:
@@ -65,6 +81,8 @@ def format_table(episodes: list[Episode], show_all: bool = False) -> str:
     if unjoined:
         lines.append(f"{unjoined} judged on scheduler evidence only (ranks not joinable: "
                      "vLLM-HUST contract v1)")
+    if summary is not None:
+        lines.extend(format_skew(summary["clock_skew"], summary["clock_tolerance_s"]))
     return "\n".join(lines)
 
 

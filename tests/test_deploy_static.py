@@ -23,6 +23,9 @@ DEPLOY = ROOT / "deploy"
 COLLECTOR_FILE = DEPLOY / "otel-collector.yaml"
 PROMETHEUS_FILE = DEPLOY / "prometheus.yml"
 JAEGER_FILE = DEPLOY / "jaeger.yaml"
+# The multi-machine shape of deploy/README.md (run by tests/test_topology.py).
+AGENT_FILE = DEPLOY / "otel-agent.yaml"
+JAEGER_BADGER_FILE = DEPLOY / "jaeger-badger.yaml"
 TEMPO_FILE = DEPLOY / "tempo.yaml"
 GRAFANA_PROVISIONING = DEPLOY / "grafana" / "provisioning"
 DATASOURCES_FILE = GRAFANA_PROVISIONING / "datasources" / "datasources.yaml"
@@ -548,6 +551,42 @@ def test_jaeger_listens_where_compose_expects(services: dict[str, dict]) -> None
         host, port = split_endpoint(resolve(endpoint, env))
         assert port == 16686 and host not in LOOPBACK
     assert published_ports(services["jaeger"]).get(16686) == 16686
+
+
+def test_agent_sends_each_trace_whole_to_one_gateway() -> None:
+    """deploy/otel-agent.yaml: traces leave only through the load-balancing
+    exporter, by trace id, to gateways at the gateway's OTLP gRPC port; no
+    tail sampling or span metrics on an agent (it sees part of a trace)."""
+    agent = load_yaml(AGENT_FILE)
+    lb = agent["exporters"]["load_balancing"]
+    assert lb["routing_key"] == "traceID"
+    assert "endpoint" not in lb["protocol"]["otlp"], "the resolver provides the endpoint"
+    pipelines = agent["service"]["pipelines"]
+    assert pipelines["traces"]["exporters"] == ["load_balancing"]
+    assert "load_balancing" not in pipelines["metrics"]["exporters"]
+    assert not agent.get("connectors"), "no span metrics before load balancing"
+    assert not {p.split("/")[0] for p in agent.get("processors") or {}} & {"tail_sampling"}
+    gateway_grpc = collector_ports(load_yaml(COLLECTOR_FILE), {})["otlp_grpc"][1]
+    hostnames = yaml.safe_load(resolve(lb["resolver"]["static"]["hostnames"]))
+    assert isinstance(hostnames, list) and len(hostnames) >= 2, hostnames
+    assert {split_endpoint(h)[1] for h in hostnames} == {gateway_grpc}, hostnames
+    # Every port set explicitly (the agent shares a node with nothing else of
+    # ours, but its telemetry port must not be left to a default).
+    assert set(collector_ports(agent, {})) == set(COLLECTOR_PORTS)
+
+
+def test_badger_jaeger_listens_as_the_in_memory_one_and_keeps_its_data() -> None:
+    """deploy/jaeger-badger.yaml can replace jaeger.yaml in place (same
+    ports, same pipeline), and stores on disk, in the directory its variable names."""
+    badger, memory = load_yaml(JAEGER_BADGER_FILE), load_yaml(JAEGER_FILE)
+    assert otlp_receiver_ports(badger, {}) == otlp_receiver_ports(memory, {})
+    assert badger["service"] == memory["service"]
+    assert badger["extensions"]["jaeger_query"] == memory["extensions"]["jaeger_query"]
+    (store,) = badger["extensions"]["jaeger_storage"]["backends"].values()
+    assert store["badger"]["ephemeral"] is False
+    dirs = store["badger"]["directories"]
+    assert {resolve(d, {"JAEGER_BADGER_DIR": "/x"}) for d in dirs.values()} == {"/x/keys",
+                                                                                "/x/values"}
 
 
 def test_tempo_config() -> None:

@@ -471,6 +471,8 @@ def test_prometheus_runs_the_shipped_config_with_the_compose_flags(prom_bins, tm
 
 
 @pytest.mark.parametrize("name,binary", [("otel-collector.yaml", "otelcol"),
-                                         ("jaeger.yaml", "jaeger")])
+                                         ("otel-agent.yaml", "otelcol"),
+                                         ("jaeger.yaml", "jaeger"),
+                                         ("jaeger-badger.yaml", "jaeger")])
 def test_deploy_configs_validate_with_the_built_binaries(otel_bins, name, binary):
     validate_collector_config(DEPLOY / name, {}, binary=binary)

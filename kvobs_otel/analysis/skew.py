@@ -29,6 +29,7 @@ tolerance has a clock offset of at least that much.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,8 +169,10 @@ def format_skew(entries: list[dict[str, Any]], tolerance_s: float) -> list[str]:
                          f"(bounds {e['offset_min_s']:+.3f} s > {e['offset_max_s']:+.3f} s); "
                          f"{joined}")
         else:
+            # Rounded down: a lower bound must not grow in print.
+            at_least = math.floor(e["offset_at_least_s"] * 1e3 + 1e-6) / 1e3
             lines.append(f"  {who}: clock {e['direction']} of {ref} by at least "
-                         f"{e['offset_at_least_s']:.3f} s; {joined}")
+                         f"{at_least:.3f} s; {joined}")
     if lines:
         lines.insert(0, "clock skew (a warning: each host's spans are placed by its own clock; "
                      f"episodes are joined by ids; tolerance {tolerance_s * 1e3:g} ms):")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,12 +84,19 @@ class Topology:
         self.servers[name] = server = self._starters[name]()
         return server
 
-    def stop(self, name: str) -> int | None:
-        """SIGTERM (the server flushes what it can), SIGKILL after 10 s."""
-        return self.servers.pop(name).stop()
+    def stop(self, name: str, kill: bool = False) -> int | None:
+        """SIGTERM (the server flushes what it can; SIGKILL after 10 s), or
+        with ``kill`` SIGKILL at once: a crash."""
+        server = self.servers.pop(name)
+        if kill:
+            server.proc.kill()
+        return server.stop()
 
-    def restart(self, name: str) -> Server:
-        self.stop(name)
+    def restart(self, name: str, down_s: float = 0.0, kill: bool = False) -> Server:
+        """Stop (``kill``: crash), stay down ``down_s`` seconds, start again
+        on the same ports."""
+        self.stop(name, kill)
+        time.sleep(down_s)
         self.restarts[name] += 1
         return self.start(name)
 

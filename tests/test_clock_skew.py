@@ -6,8 +6,10 @@ clock untouched (as on another host), on its own ``host.name``; the real
 Collector and Jaeger v2 with the configs deploy/ ships (tests/stack.py).
 
 What holds: the recovery episodes still join by ids (one trace each, every
-rank); the skewed rank's spans are shifted by the offset, their durations are
-not (monotonic times, one wall-clock anchor per process); Jaeger, whose
+rank); the skewed rank's spans are shifted by the offset and, shifted back,
+each lies where the causal order puts it (so its duration is its own: times
+are monotonic with one wall-clock anchor per process; a constant offset alone
+could not tell that from wall-clock durations, the code does); Jaeger, whose
 clock-skew adjustment deploy/jaeger.yaml leaves off, shows them shifted and
 says so in span warnings; ``kvobs-otel check`` reports the rank's clock
 ahead by at least about the offset, as a warning (exit 0).

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs_otel import identity
+from kvobs_otel.clock import wall_anchor_ns
 from kvobs_otel.config import Settings
 
 logger = logging.getLogger("kvobs_otel")
@@ -126,8 +127,8 @@ class ObserverSet:
                  clock_offset_ns: int | None = None, mode: str = "in-process") -> None:
         self.settings = settings
         self.pid = os.getpid() if pid is None else pid
-        self.clock_offset_ns = (time.time_ns() - time.monotonic_ns()
-                                if clock_offset_ns is None else clock_offset_ns)
+        self.clock_offset_ns = (wall_anchor_ns() if clock_offset_ns is None
+                                else clock_offset_ns)
         self.mode = mode
         self.observers: dict[int, Observer] = {}
         self.progress: dict[int, int] = {}

@@ -34,6 +34,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvobs_otel.clock import wall_anchor_ns
 from kvobs_otel.sidecar import wire
 from kvobs_otel.sidecar.main import SHARED
 
@@ -115,7 +116,7 @@ class SidecarLink:
         from kvobs_otel.observers import CONTROL_KEY, REGISTER
 
         p = self.pipeline
-        hello = ("hello", p.settings, os.getpid(), time.time_ns() - time.monotonic_ns())
+        hello = ("hello", p.settings, os.getpid(), wall_anchor_ns())
         # A restarted sidecar is told every role still registered.
         # (list(): a role may register on vLLM's thread meanwhile)
         controls = [(CONTROL_KEY, REGISTER, key, spec, resource, progress is not None)

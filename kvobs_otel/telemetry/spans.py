@@ -15,7 +15,6 @@ trace id comes from (scheduler generation, request id).
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -23,6 +22,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvobs_otel import __version__, identity
+from kvobs_otel.clock import wall_anchor_ns
 from kvobs_otel.lifecycle import records as rec
 from kvobs_otel.telemetry import attributes as A
 from kvobs_otel.telemetry.otlp_encode import SpanEncoder
@@ -92,7 +92,7 @@ class SpanBuilder:
         self.cap = roster_cap
         # monotonic -> wall clock, once per observed process (explicit span
         # timestamps; a sidecar is given its vLLM process's)
-        self.offset_ns = (time.time_ns() - time.monotonic_ns()) if offset_ns is None else offset_ns
+        self.offset_ns = wall_anchor_ns() if offset_ns is None else offset_ns
         self.spans_built = 0
         self.unsampled = 0
 

@@ -463,46 +463,68 @@ def test_a_gateway_restarted_mid_run(topo: Topology, tmp_path: Path, how: str) -
 
 def test_a_stopped_agent_costs_vllm_nothing_and_its_losses_are_counted(
         topo: Topology, main: Main, tmp_path: Path) -> None:
-    """Node b's agent is stopped mid-run and comes back only after vLLM
-    finished: every request still finishes with the same tokens as in the
-    main run (same prompts), and rank 1 counts what it could not deliver,
-    reported once its agent is back. Node a loses nothing."""
-    first_round = [s for s in main.clean.specs if s.req_id.startswith("c0-")]
+    """Node b's agent is stopped mid-run (once it took some of rank 1's spans)
+    and comes back only after vLLM finished: every request still finishes
+    with the same tokens as in the main run (same requests), and rank 1
+    counts what it could not deliver, reported once its agent is back. Node
+    a loses nothing."""
+    again = [s for s in main.clean.specs if s.req_id.startswith(("c0-", "c1-"))]
     drops_before = {a: lost_by_vllm(topo, a) for a in AGENTS}
-    accepted_before = {g: topo.metric(g, "otelcol_receiver_accepted_spans", receiver="otlp")
-                       for g in GATEWAYS}
+    accepted = "otelcol_receiver_accepted_spans"
+    accepted_before = {g: topo.metric(g, accepted, receiver="otlp") for g in GATEWAYS}
+    failure: list[BaseException] = []
+
+    def stop_agent() -> None:
+        try:
+            start = topo.metric("agent-b", accepted, receiver="otlp")
+            wait_for(lambda: topo.metric("agent-b", accepted, receiver="otlp") >= start + 5,
+                     "5 of rank 1's spans at agent B", timeout=120, interval=0.1)
+            topo.stop("agent-b")
+        except BaseException as e:  # re-raised in the test's thread
+            failure.append(e)
+    stopper = threading.Thread(target=stop_agent)
 
     def body(h: Harness) -> list[PromptSpec]:
+        stopper.start()
         # The same request ids and prompts (the harness's tokens depend on both).
-        specs = list(first_round)
-        for s in specs:
-            h.add_request(s.req_id, s.prompt_token_ids, s.max_tokens)
-        step_until_preempted(h, 1)
-        topo.stop("agent-b")
-        run_until_idle(h)
+        for prefix in ("c0-", "c1-"):
+            for s in again:
+                if s.req_id.startswith(prefix):
+                    h.add_request(s.req_id, s.prompt_token_ids, s.max_tokens)
+            run_until_idle(h)
+        stopper.join(120)
+        assert not failure and "agent-b" not in topo.servers, failure
         # Down past rank 1's export timeout (2 s here): its exports fail.
         time.sleep(4)
         topo.start("agent-b")
-        return specs
+        # Rank 1's processes report their losses through the agent, now back,
+        # with their next periodic metric export (while they still run).
+        wait_for(lambda: lost_by_vllm(topo, "agent-b") > drops_before["agent-b"],
+                 "rank 1's count of undelivered spans", timeout=60, interval=1.0)
+        return again
 
     run = run_through(topo, tmp_path, "agent-down", body,
                       extra={"OTEL_EXPORTER_OTLP_TIMEOUT": "2"})
     h = run.harness
     assert set(h.finished.values()) == {"length"}, h.finished
     assert {s.req_id: h.outputs[s.req_id] for s in run.specs} == {
-        s.req_id: main.clean.harness.outputs[s.req_id] for s in first_round}
-    assert h.preemptions, "nothing was preempted while the agent was down"
-    # Rank 1's processes report their losses through the agent once it is back.
-    lost_b = wait_for(lambda: lost_by_vllm(topo, "agent-b") - drops_before["agent-b"],
-                      "rank 1's count of undelivered spans", timeout=60, interval=1.0)
+        s.req_id: main.clean.harness.outputs[s.req_id] for s in again}
+    assert h.preemptions
     assert lost_by_vllm(topo, "agent-a") == drops_before["agent-a"]
-    # Accounting: every span rank 1 made either reached a gateway or is counted lost.
-    arrived = sum(topo.metric(g, "otelcol_receiver_accepted_spans", receiver="otlp")
-                  - accepted_before[g] for g in GATEWAYS)
+    # Accounting: every span rank 1 made either reached a gateway or is
+    # counted lost (the count as its processes last reported it).
     built = {p: run.spans_of(p) for p in run.files}
-    arrived_b = arrived - built["scheduler"] - built[0]
+
+    def accounted() -> tuple[float, float]:
+        arrived = sum(topo.metric(g, "otelcol_receiver_accepted_spans", receiver="otlp")
+                      - accepted_before[g] for g in GATEWAYS)
+        return arrived - built["scheduler"] - built[0], (lost_by_vllm(topo, "agent-b")
+                                                         - drops_before["agent-b"])
+    poll(lambda: sum(accounted()) == built[1], timeout=30, interval=1.0)
+    arrived_b, lost_b = accounted()
     print(f"\n[topology] agent-b stopped mid-run: {len(h.finished)} requests finished, "
           f"rank 1 made {built[1]} spans, {arrived_b:.0f} reached a gateway, "
           f"{lost_b:.0f} counted lost by rank 1; node a made "
           f"{built['scheduler'] + built[0]}, lost 0", flush=True)
-    assert arrived_b + lost_b == built[1]
+    assert arrived_b > 0 and lost_b > 0, (arrived_b, lost_b)  # the stop came mid-run
+    assert arrived_b + lost_b == built[1], (arrived_b, lost_b, built)

@@ -69,12 +69,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, progress, read_status_kib
+from benchmarks.common import REPO_ROOT, progress, quantile, read_status_kib
 
 DEPLOY_CONFIG = Path(REPO_ROOT) / "deploy" / "otel-collector.yaml"
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 SPANS_PER_REQUEST = 1024  # the agent outline's batch.send_batch_size (deploy/README.md)
-IN_FLIGHT = 8             # concurrent exports, as a sending queue's consumers keep
+IN_FLIGHT = 10            # concurrent exports: a sending queue's default num_consumers
 HEADROOM = 2.0            # num_traces = new traces/s x decision_wait x HEADROOM
 SCALE_RATES = (50, 200, 1_000, 3_000)  # new traces/s of the example deployments printed
 
@@ -93,7 +93,7 @@ class Plan:
     idle_s: float                     # the idle gateway's CPU, measured before the steps
 
 
-FULL = Plan(rates=(5_000, 10_000, 20_000, 30_000, 40_000, 60_000, 80_000, 120_000),
+FULL = Plan(rates=(5_000, 10_000, 15_000, 20_000, 25_000, 30_000, 40_000, 60_000, 80_000),
             step_s=15.0, throughput_wait_s=10, levels=(0, 10_000, 30_000, 60_000),
             memory_wait_s=90, idle_s=6.0)
 QUICK = Plan(rates=(2_000, 8_000), step_s=4.0, throughput_wait_s=2,
@@ -305,7 +305,8 @@ def metric(m: dict[str, list[tuple[str, float]]], name: str, *match: str) -> flo
 
 
 class Gateway:
-    def __init__(self, sink_port: int, decision_wait_s: int, log_dir: Path) -> None:
+    def __init__(self, sink_port: int, decision_wait_s: int, log_dir: Path,
+                 extra_args: Sequence[str] = ()) -> None:
         servers = _otel_servers()
         self.decision_wait_s = decision_wait_s
         self.ports = {k: servers.free_port() for k in ("grpc", "http", "prom", "tel", "health")}
@@ -323,7 +324,7 @@ class Gateway:
         }
         self.binary = str(servers.built_binary("OTELCOL"))
         self.server = servers.start_process(
-            "otelcol", [self.binary, f"--config=file:{DEPLOY_CONFIG}"], env,
+            "otelcol", [self.binary, f"--config=file:{DEPLOY_CONFIG}", *extra_args], env,
             ready_url=f"http://127.0.0.1:{p['health']}/", ready_log=servers.READY_LOG_LINE,
             log_dir=log_dir)
         self.pid = self.server.pid
@@ -384,14 +385,26 @@ class SendStats:
     traces: int = 0
     failed_spans: int = 0
     errors: Counter[str] = field(default_factory=Counter)
-    seconds: float = 0.0
+    issue_s: float = 0.0    # from the first export issued to the loop's end
+    seconds: float = 0.0    # ... to the last answer
     blocked_s: float = 0.0  # waiting for a free in-flight slot: the gateway was slower
+    latencies_s: list[float] = field(default_factory=list)  # issue -> answer, per export
+
+    @property
+    def achieved(self) -> float:
+        """Spans/s issued (answers that come later are the latency's, not the rate's)."""
+        return self.spans / self.issue_s if self.issue_s else 0.0
 
     def as_json(self) -> dict[str, Any]:
+        lat = sorted(self.latencies_s)
         return {"requests": self.requests, "spans": self.spans, "traces": self.traces,
                 "failed_spans": self.failed_spans, "errors": dict(self.errors),
-                "seconds": round(self.seconds, 3), "blocked_s": round(self.blocked_s, 3),
-                "achieved_spans_per_s": round(self.spans / self.seconds) if self.seconds else 0}
+                "issue_s": round(self.issue_s, 3), "seconds": round(self.seconds, 3),
+                "blocked_s": round(self.blocked_s, 3),
+                "achieved_spans_per_s": round(self.achieved),
+                "latency_ms_p50": round(1000 * quantile(lat, 0.5), 1) if lat else None,
+                "latency_ms_p99": round(1000 * quantile(lat, 0.99), 1) if lat else None,
+                "latency_ms_max": round(1000 * lat[-1], 1) if lat else None}
 
 
 class Sender:
@@ -400,7 +413,6 @@ class Sender:
     def __init__(self, endpoint: str, episodes: Sequence[Episode], seed: int = 0) -> None:
         import grpc
 
-        self._grpc = grpc
         self.channel = grpc.insecure_channel(
             endpoint, options=[("grpc.max_send_message_length", 64 << 20)],
             compression=grpc.Compression.Gzip)
@@ -429,10 +441,11 @@ class Sender:
         lock = threading.Lock()
         pending: list[Any] = []
 
-        def done(fut: Any, spans: int) -> None:
+        def done(fut: Any, spans: int, issued: float) -> None:
             slots.release()
             err = fut.exception()
             with lock:
+                stats.latencies_s.append(time.monotonic() - issued)
                 if err is not None:
                     stats.failed_spans += spans
                     code = err.code() if hasattr(err, "code") else None
@@ -455,12 +468,14 @@ class Sender:
             b0 = time.monotonic()
             slots.acquire()
             stats.blocked_s += time.monotonic() - b0
+            issued = time.monotonic()
             fut = self.export.future(data, timeout=60)
-            fut.add_done_callback(lambda f, n=n_spans: done(f, n))
+            fut.add_done_callback(lambda f, n=n_spans, t=issued: done(f, n, t))
             pending.append(fut)
             stats.requests += 1
             stats.spans += n_spans
             stats.traces += n_traces
+        stats.issue_s = time.monotonic() - t0
         for fut in pending:  # every export answered before the step is judged
             with contextlib.suppress(Exception):  # counted in done()
                 fut.result()
@@ -500,7 +515,7 @@ def _step(gw: Gateway, sender: Sender, rate: int, plan: Plan,
     # The gateway's CPU for these spans: the whole step (receive, decide,
     # export) less what it spends idle (ticks, span metrics flushes, scrapes).
     marginal = (cpu1 - cpu0) - idle_cores * (t1 - t0)
-    achieved = s.spans / s.seconds
+    achieved = s.achieved
     margin_s = 5.0  # the 1 s decision tick, the 1 s batch timeout, our polling
     checks = {
         "rate_achieved": achieved >= 0.97 * rate,
@@ -528,8 +543,8 @@ def _step(gw: Gateway, sender: Sender, rate: int, plan: Plan,
 
 
 def throughput_phase(plan: Plan, episodes: Sequence[Episode], sink: RawSink,
-                     log_dir: Path) -> dict[str, Any]:
-    gw = Gateway(sink.port, plan.throughput_wait_s, log_dir)
+                     log_dir: Path, extra_args: Sequence[str] = ()) -> dict[str, Any]:
+    gw = Gateway(sink.port, plan.throughput_wait_s, log_dir, extra_args)
     sender = Sender(gw.endpoint, episodes, seed=1)
     steps: list[dict[str, Any]] = []
     try:
@@ -548,14 +563,15 @@ def throughput_phase(plan: Plan, episodes: Sequence[Episode], sink: RawSink,
             progress(f"throughput {rate:>6}/s: achieved {step['achieved_spans_per_s']:,}/s, "
                      f"gateway {step['gateway_cores_while_sending']:.2f} cores, sender "
                      f"{step['sender_process_cores_while_sending']:.2f} "
-                     f"({step['spans_per_gateway_cpu_s']} spans per gateway CPU-s), all "
-                     f"delivered {step['drain_s']:.1f} s after the last send, "
+                     f"({step['spans_per_gateway_cpu_s']} spans per gateway CPU-s), export "
+                     f"p99 {step['send']['latency_ms_p99']} ms, all delivered "
+                     f"{step['drain_s']:.1f} s after the last send, "
                      f"{'NOT clean: ' + ', '.join(failed) if failed else 'clean'}")
             if failed:
                 clean = [st["offered_spans_per_s"] for st in steps if st["clean"]]
                 # One step between the last clean rate and this one.
                 if clean and not refined and rate - clean[-1] > 0.2 * rate:
-                    rates = [round((clean[-1] + rate) / 2, -3)]
+                    rates = [int(round((clean[-1] + rate) / 2, -3))]
                     refined = True
                     continue
                 break
@@ -583,10 +599,11 @@ def _rss_reading(gw: Gateway, reads: int = 3) -> dict[str, float]:
 
 
 def memory_phase(plan: Plan, episodes: Sequence[Episode], sink: RawSink,
-                 log_dir: Path) -> dict[str, Any]:
-    gw = Gateway(sink.port, plan.memory_wait_s, log_dir)
+                 log_dir: Path, extra_args: Sequence[str] = ()) -> dict[str, Any]:
+    gw = Gateway(sink.port, plan.memory_wait_s, log_dir, extra_args)
     sender = Sender(gw.endpoint, episodes, seed=2)
     readings: list[dict[str, Any]] = []
+    fill: dict[str, Any] = {}
     try:
         time.sleep(3)  # start-up allocations settle
         t_first: float | None = None
@@ -600,6 +617,7 @@ def memory_phase(plan: Plan, episodes: Sequence[Episode], sink: RawSink,
                     raise RuntimeError(f"the gateway refused spans while filling: {s.errors}")
                 sent_traces += s.traces
                 sent_spans += s.spans
+                fill = s.as_json()
                 def held(spans: int = sent_spans, traces: int = sent_traces) -> bool:
                     c = counters(gw.metrics())
                     return c["accepted"] >= spans and c["on_memory"] >= traces
@@ -609,6 +627,7 @@ def memory_phase(plan: Plan, episodes: Sequence[Episode], sink: RawSink,
                 time.sleep(2)  # the tick records traces_on_memory; let GC catch up
             r = _rss_reading(gw)
             r.update(open_traces=sent_traces, spans=sent_spans,
+                     fill=fill if level else None,
                      seconds_since_first=round(time.monotonic() - t_first, 1)
                      if t_first else 0.0)
             if r["decided"]:
@@ -774,8 +793,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decision-wait", type=float, default=30.0,
                     help="decision_wait of that deployment, seconds (default: %(default)g, "
                          "the shipped default)")
+    ap.add_argument("--num-shards", type=int, metavar="N",
+                    help="tail_sampling.num_shards for this run (--set on the Collector's "
+                         "command line; the shipped config leaves it at 1: one event loop "
+                         "for ingest and decisions)")
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    extra = ([f"--set=processors::tail_sampling::num_shards={args.num_shards}"]
+             if args.num_shards else [])
     t_start = time.monotonic()
     load_start = os.getloadavg()
     from benchmarks.__main__ import machine_info
@@ -784,6 +809,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        *(argv if argv is not None
                                                          else sys.argv[1:])],
                               "quick": args.quick, "machine": machine_info(),
+                              "collector_args": extra,
                               "plan": plan.__dict__}
     try:
         path = args.recording or default_recording()
@@ -812,10 +838,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             progress(f"throughput: steps of {plan.step_s:g} s, decision_wait "
                      f"{plan.throughput_wait_s} s")
-            throughput = throughput_phase(plan, episodes, sink, log_dir)
+            throughput = throughput_phase(plan, episodes, sink, log_dir, extra)
             progress(f"memory: levels {plan.levels} open traces, decision_wait "
                      f"{plan.memory_wait_s} s")
-            mem = memory_phase(plan, episodes, sink, log_dir)
+            mem = memory_phase(plan, episodes, sink, log_dir, extra)
         finally:
             sink.close()
         report["collector"] = {"binary": str(_otel_servers().built_binary("OTELCOL")),

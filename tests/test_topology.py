@@ -337,7 +337,11 @@ def test_dropped_traces_are_dropped_whole(main: Main) -> None:
                for t in dropped)
 
 
-def test_each_trace_was_decided_by_one_gateway(main: Main) -> None:
+def test_each_trace_was_decided_by_one_gateway(topo: Topology, main: Main) -> None:
+    # Each agent routes over both gateways: KVOBS_GATEWAY_ENDPOINTS, one
+    # variable, became a list of two.
+    for agent in AGENTS:
+        assert topo.metric(agent, "otelcol_loadbalancer_num_backends", resolver="static") == 2
     # A trace split over the gateways would be decided (and counted) by each.
     assert sum(main.decided.values()) == len(main.traces), main.decided
     assert all(n > 0 for n in main.decided.values()), main.decided  # both gateways used

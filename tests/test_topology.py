@@ -418,6 +418,25 @@ def step_until_preempted(h: Harness, n: int, within_s: float = 120.0) -> None:
         h.step()
 
 
+def after_spans_at(topo: Topology, server: str, n: int, what: str,
+                   act: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread that does ``act`` once ``server``'s OTLP receiver took ``n``
+    more spans (so the failure hits a run in flight), and the exception it
+    met, for the test's thread to re-raise. Started by the caller."""
+    failure: list[BaseException] = []
+    accepted = "otelcol_receiver_accepted_spans"
+
+    def run() -> None:
+        try:
+            start = topo.metric(server, accepted, receiver="otlp")
+            wait_for(lambda: topo.metric(server, accepted, receiver="otlp") >= start + n,
+                     what, timeout=120, interval=0.1)
+            act()
+        except BaseException as e:  # re-raised in the test's thread
+            failure.append(e)
+    return threading.Thread(target=run), failure
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_a_gateway_restarted_mid_run(topo: Topology, tmp_path: Path, how: str) -> None:
     """Gateway 1 is stopped (SIGTERM: a rolling restart; SIGKILL: a crash)
@@ -428,19 +447,10 @@ def test_a_gateway_restarted_mid_run(topo: Topology, tmp_path: Path, how: str) -
     request finished, nothing reached Jaeger that was not sent, and the
     traffic policy's verdicts hold for every trace that is whole."""
     drops_before = {a: lost_by_vllm(topo, a) for a in AGENTS}
-    accepted = "otelcol_receiver_accepted_spans"
-    failure: list[BaseException] = []
-
-    def fail_gateway() -> None:
-        # Once gateway 1 holds spans of this run (its share of about a round).
-        try:
-            start = topo.metric("gateway-1", accepted, receiver="otlp")
-            wait_for(lambda: topo.metric("gateway-1", accepted, receiver="otlp") >= start + 40,
-                     "40 spans at gateway 1", timeout=120, interval=0.1)
-            topo.restart("gateway-1", down_s=3.0, kill=how == "sigkill")
-        except BaseException as e:  # re-raised in the test's thread
-            failure.append(e)
-    restart = threading.Thread(target=fail_gateway)
+    # Once gateway 1 holds spans of this run (its share of about a round).
+    restart, failure = after_spans_at(
+        topo, "gateway-1", 40, "40 spans at gateway 1",
+        lambda: topo.restart("gateway-1", down_s=3.0, kill=how == "sigkill"))
 
     def body(h: Harness) -> list[PromptSpec]:
         restart.start()  # while this thread keeps vLLM stepping
@@ -476,17 +486,8 @@ def test_a_stopped_agent_costs_vllm_nothing_and_its_losses_are_counted(
     drops_before = {a: lost_by_vllm(topo, a) for a in AGENTS}
     accepted = "otelcol_receiver_accepted_spans"
     accepted_before = {g: topo.metric(g, accepted, receiver="otlp") for g in GATEWAYS}
-    failure: list[BaseException] = []
-
-    def stop_agent() -> None:
-        try:
-            start = topo.metric("agent-b", accepted, receiver="otlp")
-            wait_for(lambda: topo.metric("agent-b", accepted, receiver="otlp") >= start + 5,
-                     "5 of rank 1's spans at agent B", timeout=120, interval=0.1)
-            topo.stop("agent-b")
-        except BaseException as e:  # re-raised in the test's thread
-            failure.append(e)
-    stopper = threading.Thread(target=stop_agent)
+    stopper, failure = after_spans_at(topo, "agent-b", 5, "5 of rank 1's spans at agent B",
+                                      lambda: topo.stop("agent-b"))
 
     def body(h: Harness) -> list[PromptSpec]:
         stopper.start()

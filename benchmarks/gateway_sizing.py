@@ -687,7 +687,8 @@ def size_gateway(new_traces_per_s: float, decision_wait_s: float, spans_per_trac
                  mib_per_1k_traces: float, base_mib: float, spans_per_core_s: float,
                  headroom: float = HEADROOM, idle_cores: float = 0.0,
                  heap_mib_per_1k_traces: float = 0.0, heap_base_mib: float = 0.0,
-                 soft_limit_fraction: float = 0.6) -> dict[str, float]:
+                 soft_limit_fraction: float = 0.6,
+                 sustained_spans_per_s: float = math.inf) -> dict[str, float]:
     """One gateway's settings for R new traces/s and decision_wait W:
     num_traces >= R x W x headroom; memory ~ slope x num_traces/1000 + base
     (every slot holding an open trace: the bound to give the container, as
@@ -695,13 +696,18 @@ def size_gateway(new_traces_per_s: float, decision_wait_s: float, spans_per_trac
     spans/s over the spans per CPU-second measured. memory_limiter refuses
     data once the Go heap passes (limit - spike) of the container's memory
     (``soft_limit_fraction``), so the container needs the heap bound over
-    that fraction too."""
+    that fraction too. Past the rate one gateway sustained, the traffic is
+    spread over ``gateways`` (by trace id): the figures are per gateway."""
+    spans_total = new_traces_per_s * spans_per_trace
+    gateways = max(1, math.ceil(spans_total / sustained_spans_per_s))
+    new_traces_per_s /= gateways
     num_traces = math.ceil(new_traces_per_s * decision_wait_s * headroom)
     spans_per_s = new_traces_per_s * spans_per_trace
     rss = base_mib + mib_per_1k_traces * num_traces / 1000
     heap = heap_base_mib + heap_mib_per_1k_traces * num_traces / 1000
-    return {"new_traces_per_s": new_traces_per_s, "decision_wait_s": decision_wait_s,
-            "headroom": headroom, "num_traces": num_traces,
+    return {"new_traces_per_s": new_traces_per_s * gateways, "gateways": gateways,
+            "per_gateway_new_traces_per_s": new_traces_per_s,
+            "decision_wait_s": decision_wait_s, "headroom": headroom, "num_traces": num_traces,
             "open_traces": new_traces_per_s * decision_wait_s,
             "memory_mib": rss, "heap_mib": heap,
             "container_limit_mib": max(rss, heap / soft_limit_fraction),
@@ -766,7 +772,8 @@ def scaled(summary: dict[str, Any], rates: Sequence[float], wait_s: float,
                          summary["spans_per_gateway_cpu_s"] or math.nan,
                          headroom, summary["idle_gateway_cores"],
                          summary["heap_mib_per_1k_open_traces"], summary["heap_base_mib"],
-                         soft) for r in rates]
+                         soft, summary["highest_clean_spans_per_s"] or math.inf)
+            for r in rates]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -884,10 +891,11 @@ def render(report: dict[str, Any]) -> str:
         mrows.append([f"{r['open_traces']:,}", f"{r['spans']:,}", f"{r['rss_mib']:.1f}",
                       f"{r['otelcol_process_memory_rss_mib']:.1f}",
                       f"{r['heap_alloc_mib']:.1f}"])
-    srows = [["new traces/s", "decision_wait s", "open traces", "num_traces",
+    srows = [["new traces/s", "decision_wait s", "gateways", "open traces", "num_traces",
               "RSS MiB", "heap MiB", "container MiB", "spans/s", "cores"]]
     for x in report["scaled"]:
         srows.append([f"{x['new_traces_per_s']:,.0f}", f"{x['decision_wait_s']:g}",
+                      f"{x['gateways']}",
                       f"{x['open_traces']:,.0f}", f"{x['num_traces']:,}",
                       f"{x['memory_mib']:,.0f}", f"{x['heap_mib']:,.0f}",
                       f"{x['container_limit_mib']:,.0f}", f"{x['spans_per_s']:,.0f}",
@@ -916,8 +924,11 @@ def render(report: dict[str, Any]) -> str:
         f"after the decisions: RSS {after['rss_mib']:.0f} MiB, "
         f"{after['traces_on_memory']:,.0f} decided entries still held (no decision cache)",
         "", _table(srows), "",
+        "(per gateway from 'open traces' on; gateways = spans/s over the rate one sustained)",
+        "",
         f"For {rec['new_traces_per_s']:g} new traces/s and decision_wait "
-        f"{rec['decision_wait_s']:g} s (x{rec['headroom']:g} headroom): num_traces >= "
+        f"{rec['decision_wait_s']:g} s (x{rec['headroom']:g} headroom), "
+        f"{rec['gateways']} gateway(s), each: num_traces >= "
         f"{rec['num_traces']:,}, memory ~ {rec['memory_mib']:.0f} MiB "
         f"({s['rss_mib_per_1k_open_traces']:.2f} x {rec['num_traces'] / 1000:g} + "
         f"{s['rss_base_mib']:.0f}), container limit >= {rec['container_limit_mib']:.0f} MiB "

@@ -127,6 +127,15 @@ def test_fit_line_and_sizing_arithmetic():
     # the heap must stay under memory_limiter's soft limit: 28 MiB / 0.6 < 74 MiB RSS
     assert rec["container_limit_mib"] == pytest.approx(74)
     assert rec["spans_per_s"] == 1400 and rec["cores"] == pytest.approx(0.03)
+    assert rec["gateways"] == 1
+
+    # Past what one gateway sustained, the load is shared (by trace id).
+    big = size_gateway(new_traces_per_s=3000, decision_wait_s=30, spans_per_trace=10,
+                       mib_per_1k_traces=2.0, base_mib=50, spans_per_core_s=70_000,
+                       headroom=2.0, sustained_spans_per_s=20_000)
+    assert big["gateways"] == 2 and big["new_traces_per_s"] == 3000
+    assert big["per_gateway_new_traces_per_s"] == 1500 and big["num_traces"] == 90_000
+    assert big["spans_per_s"] == 15_000
 
 
 def test_the_shipped_limits_are_read_from_the_gateway_config():

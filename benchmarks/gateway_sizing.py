@@ -776,7 +776,10 @@ def summarize(episodes: Sequence[Episode], throughput: dict[str, Any],
         "rss_base_mib": round(rss_fit["intercept"], 1), "rss_fit_r2": round(rss_fit["r2"], 4),
         "rss_idle_mib": mem["readings"][0]["rss_mib"],
         "heap_mib_per_1k_open_traces": round(heap_fit["slope"], 3),
-        "heap_base_mib": round(heap_fit["intercept"], 1),
+        # the Go heap swings with GC timing; a fitted base below the idle heap
+        # would understate small gateways
+        "heap_base_mib": round(max(heap_fit["intercept"], mem["readings"][0]["heap_alloc_mib"]),
+                               1),
         "heap_fit_r2": round(heap_fit["r2"], 4),
         # MiB per 1,000 traces -> KiB per span (for other tensor-parallel sizes)
         "rss_kib_per_open_span": round(rss_fit["slope"] * 1024 / 1000 / spans_per_trace, 3),

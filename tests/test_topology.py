@@ -17,6 +17,7 @@ Figures (episodes sent, kept whole, dropped whole, split, lost) are printed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -437,20 +438,32 @@ def after_spans_at(topo: Topology, server: str, n: int, what: str,
     return threading.Thread(target=run), failure
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+NO_QUEUE_NO_RETRY = {"KVOBS_GATEWAY_QUEUE": "false", "KVOBS_GATEWAY_RETRY": "false"}
+
+
+def agents_failed_spans(topo: Topology) -> float:
+    """Spans the agents' exporters gave up on (their own count)."""
+    return sum(topo.metric(a, "otelcol_exporter_send_failed_spans") for a in AGENTS)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill", "sigterm-no-retry"])
 def test_a_gateway_restarted_mid_run(topo: Topology, tmp_path: Path, how: str) -> None:
     """Gateway 1 is stopped (SIGTERM: a rolling restart; SIGKILL: a crash)
     while episodes are open, and started again on the same address 3 s
     later; the agents keep its share queued and retry (their shipped
-    settings). Measured, not required: how many episodes end whole, split or
-    lost. Required: vLLM lost nothing (the agents took every span), every
-    request finished, nothing reached Jaeger that was not sent, and the
-    traffic policy's verdicts hold for every trace that is whole."""
+    settings), or, in ``sigterm-no-retry``, have queue and retry switched
+    off to show what those settings are worth. Measured, not required: how
+    many episodes end whole, split or lost. Required: vLLM lost nothing (the
+    agents took every span), every request finished, nothing reached Jaeger
+    that was not sent, the traffic policy's verdicts hold for every trace
+    that is whole, and the agents gave up on spans only without retry."""
     drops_before = {a: lost_by_vllm(topo, a) for a in AGENTS}
     # Once gateway 1 holds spans of this run (its share of about a round).
     restart, failure = after_spans_at(
         topo, "gateway-1", 40, "40 spans at gateway 1",
         lambda: topo.restart("gateway-1", down_s=3.0, kill=how == "sigkill"))
+    settings = topo.agents_with(NO_QUEUE_NO_RETRY) if how.endswith("no-retry") \
+        else contextlib.nullcontext()
 
     def body(h: Harness) -> list[PromptSpec]:
         restart.start()  # while this thread keeps vLLM stepping
@@ -461,14 +474,20 @@ def test_a_gateway_restarted_mid_run(topo: Topology, tmp_path: Path, how: str) -
         restart.join(120)
         return specs
 
-    run = run_through(topo, tmp_path, f"gateway-{how}", body)
+    with settings:
+        failed_before = agents_failed_spans(topo)
+        run = run_through(topo, tmp_path, f"gateway-{how}", body)
+        # (read before agents_with restarts the agents and zeroes their counts)
+        gave_up = agents_failed_spans(topo) - failed_before
     assert not failure and not restart.is_alive(), failure
     assert "gateway-1" in topo.servers and topo.restarts["gateway-1"] >= 1
     assert set(run.harness.finished.values()) == {"length"}, run.harness.finished
     assert len(run.harness.finished) == len(run.specs)
     v, _stored = settle_stable(topo, run.sent)
-    figs = figures(f"gateway-1 restarted mid-run ({how}, down 3 s)", run.sent, v)
+    figs = figures(f"gateway-1 restarted mid-run ({how}, down 3 s; agents gave up on "
+                   f"{gave_up:.0f} spans)", run.sent, v)
     assert not v.foreign, v.foreign[:5]
+    assert (gave_up > 0) == how.endswith("no-retry"), gave_up
     assert figs["episodes sent"] >= 10
     whole_traffic = [t for t in v.whole if not run.sent[t].episode]
     assert all(traffic_policy_keeps(t) for t in whole_traffic)

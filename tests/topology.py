@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from otel_servers import Server, free_port, http_get, start_collector, start_jaeger
@@ -58,6 +58,8 @@ class Topology:
                 **collector_listen_env(self.ports[a]),
                 "KVOBS_GATEWAY_ENDPOINTS": f"[{gateways}]"}) for a in AGENTS},
         }
+        # On top of each Collector's environment at its next start (agents_with).
+        self.overrides: dict[str, dict[str, str]] = {}
         self.servers: dict[str, Server] = {}
         self.restarts: dict[str, int] = dict.fromkeys(self._starters, 0)
         try:
@@ -74,8 +76,8 @@ class Topology:
         def start() -> Server:
             # One log per start (the Server truncates its log file).
             log_dir = self.tmp / f"{name}-{self.restarts[name]}"
-            return start_collector(DEPLOY / config, env, ready_url=f"http://127.0.0.1:{health}/",
-                                   log_dir=log_dir)
+            return start_collector(DEPLOY / config, {**env, **self.overrides.get(name, {})},
+                                   ready_url=f"http://127.0.0.1:{health}/", log_dir=log_dir)
         return start
 
     # -- lifecycle ------------------------------------------------------------------
@@ -99,6 +101,21 @@ class Topology:
         time.sleep(down_s)
         self.restarts[name] += 1
         return self.start(name)
+
+    @contextlib.contextmanager
+    def agents_with(self, env: dict[str, str]) -> Iterator[None]:
+        """Both agents restarted with ``env`` on top of their own, and
+        restarted as shipped afterwards."""
+        try:
+            for a in AGENTS:
+                self.overrides[a] = env
+                self.restart(a)
+            yield
+        finally:
+            for a in AGENTS:
+                self.overrides.pop(a, None)
+                if a in self.servers:
+                    self.restart(a)
 
     def close(self) -> None:
         for name in (*AGENTS, *GATEWAYS, "jaeger"):  # upstream first

@@ -113,8 +113,8 @@ class Variant:
             raise RuntimeError("instrument(Settings(enabled=True)) did not activate")
 
     def build(self) -> HeavyOffload:
-        from kvobs_otel.harness import Harness
         from kvobs_otel.pipeline import current_pipeline
+        from kvobs_otel.tools.harness import Harness
 
         k = self.kvobs
         if self.name == "unobserved" and k.is_instrumented():
@@ -210,9 +210,9 @@ def _preload() -> None:
     import vllm.v1.core.sched.scheduler  # noqa: F401
 
     import kvobs_otel.connector  # noqa: F401
-    import kvobs_otel.harness.engine  # noqa: F401
-    import kvobs_otel.harness.runner  # noqa: F401
     import kvobs_otel.hosts.vllm.seams  # noqa: F401
+    import kvobs_otel.tools.harness.engine  # noqa: F401
+    import kvobs_otel.tools.harness.runner  # noqa: F401
 
 
 def _child(cmd: dict[str, Any], quick: bool) -> None:

@@ -1,8 +1,8 @@
 """B5: overhead where users feel it, in a real vLLM engine.
 
 The same load from a real client (``openai``, concurrent streamed
-completions, kvobs_otel/harness/client.py) against the real OpenAI-compatible
-API server with TP 2 (kvobs_otel/harness/server.py: vLLM's CPU build, the
+completions, kvobs_otel/tools/harness/client.py) against the real OpenAI-compatible
+API server with TP 2 (kvobs_otel/tools/harness/server.py: vLLM's CPU build, the
 tiny local model, KV pressure that preempts), in three variants, each its own
 server:
 
@@ -63,7 +63,7 @@ QUICK = {"blocks": 1, "rounds": 1, "requests": 8}
 
 def engine_python() -> str:
     """An interpreter with vLLM's CPU build: this one, or the cached 0.32.0 env's."""
-    from kvobs_otel.harness.server import engine_available
+    from kvobs_otel.tools.harness.server import engine_available
 
     if engine_available() is None:
         return sys.executable
@@ -76,14 +76,14 @@ def engine_python() -> str:
 def _model(python: str) -> str:
     out = subprocess.run(
         [python, "-W", "ignore", "-c",
-         "from kvobs_otel.harness.model_files import ensure_model; print(ensure_model())"],
+         "from kvobs_otel.tools.harness.model_files import ensure_model; print(ensure_model())"],
         stdout=subprocess.PIPE, text=True, check=True, cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": REPO_ROOT})
     return out.stdout.strip().splitlines()[-1]
 
 
 def _start(python: str, model: str, sink: OtlpSink, log_dir: str) -> dict[str, Any]:
-    from kvobs_otel.harness.server import EngineServer, ServeConfig, free_port
+    from kvobs_otel.tools.harness.server import EngineServer, ServeConfig, free_port
 
     servers = {}
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVOBS_OTEL_"))}
@@ -119,7 +119,7 @@ SAMPLES = ("tok_s", "ttft", "tpot", "client_ttft", "client_tpot", "preemptions")
 
 
 def _engine_counts(server: Any) -> dict[str, float]:
-    from kvobs_otel.harness.server import sum_samples
+    from kvobs_otel.tools.harness.server import sum_samples
 
     text = server.metrics_text()
     return {
@@ -134,7 +134,7 @@ def _engine_counts(server: Any) -> dict[str, float]:
 def run(quick: bool) -> Result:
     import tempfile
 
-    from kvobs_otel.harness.client import run_load
+    from kvobs_otel.tools.harness.client import run_load
 
     plan = QUICK if quick else FULL
     t0 = time.monotonic()

@@ -113,8 +113,8 @@ def _timer(out: list[int], fn: Callable[..., Any]) -> Callable[..., Any]:
 def run_capture(shape: WorkloadShape) -> Capture:
     """Run the workload once with observation on (the caller instrumented)
     and capture every event-producing seam call."""
-    from kvobs_otel.harness import Harness
     from kvobs_otel.pipeline import current_pipeline
+    from kvobs_otel.tools.harness import Harness
 
     h = Harness(harness_config(shape))
     try:

@@ -220,7 +220,7 @@ def record_demo(path: Path) -> dict[str, Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
     tmp.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "kvobs_otel.cli", "demo", *DEMO_ARGS, "-o", str(tmp), "--json"]
+    cmd = [sys.executable, "-m", "kvobs_otel", "demo", *DEMO_ARGS, "-o", str(tmp), "--json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     progress(f"recording episodes: {' '.join(cmd[2:])} (about a minute)")

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs_otel.harness import Harness, HarnessConfig, pressure_workload
+from kvobs_otel.tools.harness import Harness, HarnessConfig, pressure_workload
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def view(span: Any) -> SpanView:
             span.parent.span_id if span.parent else None, dict(span.attributes),
             dict(span.resource.attributes), span.status.status_code.name == "ERROR",
             [e.name for e in span.events], span.start_time, span.end_time)
-    return SpanView(  # kvobs_otel.otlp_file.FileSpan (OTLP receiver, OTLP JSON file)
+    return SpanView(  # kvobs_otel.tools.otlp_file.FileSpan (OTLP receiver, OTLP JSON file)
         span.name, int(span.trace_id, 16), int(span.span_id, 16),
         int(span.parent_span_id, 16) if span.parent_span_id else None,
         dict(span.attributes), dict(span.resource), span.error,

@@ -94,7 +94,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
     """``kvobs-otel ARGS`` in a clean environment (no OTEL_/KVOBS_ settings)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVOBS_"))}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvobs_otel.cli", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "kvobs_otel", *args], cwd=cwd,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,5 +1,5 @@
 """Trace completeness judged against ground truth recorded from the host as
-it ran, not by the product's own checker (``kvobs_otel.analysis.episodes``).
+it ran, not by the product's own checker (``kvobs_otel.tools.analysis.episodes``).
 
 - The harness (``recoveries``): its record of vLLM's own decisions: every
   preemption vLLM's scheduler made (``SchedulerOutput.preempted_req_ids``),
@@ -142,7 +142,7 @@ class EngineTruth:
         # from all workers", vllm/distributed/kv_transfer/kv_connector/utils.py)
         # and TransferStats.aggregate (.../v1/offloading/common.py), counted in
         # update_connector_output (.../v1/offloading/scheduler.py), 0.32.0.
-        from kvobs_otel.harness.server import sum_samples
+        from kvobs_otel.tools.harness.server import sum_samples
 
         return cls(int(sum_samples(metrics_text, "vllm:num_preemptions_total")),
                    int(sum_samples(metrics_text, "vllm:kv_offload_load_size_count")),

@@ -19,8 +19,8 @@ from opentelemetry.proto.collector.metrics.v1 import (
 )
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from kvobs_otel.otlp_file import FileSpan, spans_from_document
 from kvobs_otel.telemetry.otlp_json import message_to_otlp_json
+from kvobs_otel.tools.otlp_file import FileSpan, spans_from_document
 
 
 class Store:

@@ -73,7 +73,7 @@ def gateway_env(p: Mapping[str, int], *, jaeger_grpc: int, tempo_port: int) -> d
 
 def collector_metric(telemetry_port: int, name: str, **labels: str) -> float:
     """Sum of one of a Collector's own metrics (its telemetry endpoint)."""
-    from kvobs_otel.harness.server import sum_samples
+    from kvobs_otel.tools.harness.server import sum_samples
 
     text = urllib.request.urlopen(
         f"http://127.0.0.1:{telemetry_port}/metrics", timeout=5).read().decode()

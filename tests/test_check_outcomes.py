@@ -16,10 +16,10 @@ from itertools import count
 
 import pytest
 
-from kvobs_otel import cli
-from kvobs_otel.analysis.episodes import rebuild
-from kvobs_otel.check import check_spans, format_table
-from kvobs_otel.otlp_file import FileSpan
+from kvobs_otel.tools import cli
+from kvobs_otel.tools.analysis.episodes import rebuild
+from kvobs_otel.tools.check import check_spans, format_table
+from kvobs_otel.tools.otlp_file import FileSpan
 
 RANKS = 2
 _ids = count(1)

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from kvobs_otel import cli, identity
-from kvobs_otel.analysis.episodes import rebuild
-from kvobs_otel.analysis.skew import clock_skew
-from kvobs_otel.check import check_spans, format_table
-from kvobs_otel.otlp_file import FileSpan
-from kvobs_otel.sources import load_spans
+from kvobs_otel import identity
+from kvobs_otel.tools import cli
+from kvobs_otel.tools.analysis.episodes import rebuild
+from kvobs_otel.tools.analysis.skew import clock_skew
+from kvobs_otel.tools.check import check_spans, format_table
+from kvobs_otel.tools.otlp_file import FileSpan
+from kvobs_otel.tools.sources import load_spans
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 OFFSET_S = 5.0

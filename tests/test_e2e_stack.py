@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvobs_otel.harness.engine import Harness, HarnessConfig
-from kvobs_otel.harness.workload import pressure_workload
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+from kvobs_otel.tools.harness.workload import pressure_workload
 
 from otel_servers import poll
 from stack import Stack, ranks_of, tag
@@ -91,8 +91,8 @@ def test_each_recovery_episode_is_one_jaeger_trace_with_every_rank(stack, monkey
         by_request = stack.traces(tags=json.dumps({"kvobs.request.id": req_id}))
         assert trace["traceID"] in {t["traceID"] for t in by_request}
     # `kvobs-otel check` reads the same episodes back from Jaeger: all complete.
-    from kvobs_otel.check import check_spans
-    from kvobs_otel.sources import load_spans
+    from kvobs_otel.tools.check import check_spans
+    from kvobs_otel.tools.sources import load_spans
 
     checked_eps, summary = check_spans(load_spans(stack.jaeger_url))
     assert {(e.request_id, e.epoch) for e in checked_eps} >= expected
@@ -139,8 +139,8 @@ def test_withheld_rank_fires_the_incomplete_receipt_alert(stack, monkeypatch):
     # Jaeger shows OTLP's ERROR status as error=true.
     assert tag(job, "error") in (True, "true"), job["tags"]
     # ... and `kvobs-otel check` on Jaeger names the episode and the missing rank.
-    from kvobs_otel.check import check_spans
-    from kvobs_otel.sources import load_spans
+    from kvobs_otel.tools.check import check_spans
+    from kvobs_otel.tools.sources import load_spans
 
     _eps, summary = check_spans(load_spans(stack.jaeger_url))
     (bad,) = [e for e in summary["incomplete_episodes"] if e["request_id"] == "withheld"]
@@ -183,8 +183,8 @@ def test_failed_restore_fires_its_alert_and_is_an_error_trace_in_jaeger(stack, m
     assert tag(span, "error") in (True, "true")
     assert json.loads(tag(span, "kvobs.restore.failed_ranks")) == [1]
     # `kvobs-otel check` reads it back as a consistent failed-restore chain.
-    from kvobs_otel.check import check_spans
-    from kvobs_otel.sources import load_spans
+    from kvobs_otel.tools.check import check_spans
+    from kvobs_otel.tools.sources import load_spans
 
     eps, summary = check_spans(load_spans(stack.jaeger_url))
     (ep,) = [e for e in eps if e.request_id == "failed-restore"]

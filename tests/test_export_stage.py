@@ -204,7 +204,7 @@ def test_metric_export_failures_are_counted_and_logged_once(caplog, raises):
 
 
 def test_doctor_warns_when_a_ca_bundle_overrides_the_otlp_certificate(monkeypatch):
-    from kvobs_otel.doctor import WARN, check_tls
+    from kvobs_otel.tools.doctor import WARN, check_tls
 
     for k in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
               "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "CURL_CA_BUNDLE"):

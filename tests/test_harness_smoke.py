@@ -1,9 +1,9 @@
-"""Smoke tests of the real-vLLM CPU harness (kvobs_otel.harness).
+"""Smoke tests of the real-vLLM CPU harness (kvobs_otel.tools.harness).
 
 They drive the installed vLLM's (0.32, 0.33 or 0.34) real Scheduler, KV cache
 manager and stock OffloadingConnector (both roles) with the harness' CPU copy
 backend. Model Runner V1 cases run where vLLM still has that runner (0.32,
-0.33); version facts come from kvobs_otel.harness.compat.
+0.33); version facts come from kvobs_otel.tools.harness.compat.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-from kvobs_otel.harness import (
+from kvobs_otel.tools.harness import (
     Harness,
     HarnessConfig,
     compat,
     make_prompts,
     pressure_workload,
 )
-from kvobs_otel.harness.rank_process import RankProcessError  # noqa: E402
+from kvobs_otel.tools.harness.rank_process import RankProcessError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -287,7 +287,7 @@ def test_connector_call_order(model_runner):
         num_ranks=1,
         model_runner=model_runner,
         connector="RecordingOffloadingConnector",
-        connector_module_path="kvobs_otel.harness.recording",
+        connector_module_path="kvobs_otel.tools.harness.recording",
     )
     with Harness(cfg) as h:
         h.add_request("a", 40, max_tokens=2)

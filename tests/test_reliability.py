@@ -24,11 +24,11 @@ from oracle import assert_traces_match_vllm
 
 import kvobs_otel
 from kvobs_otel.config import Settings
-from kvobs_otel.harness.engine import Harness, HarnessConfig
-from kvobs_otel.harness.workload import pressure_workload
 from kvobs_otel.identity import RequestIdHasher
 from kvobs_otel.pipeline import CLOSE_TIMEOUT_S, METRICS_CLOSE_TIMEOUT_S, current_pipeline
 from kvobs_otel.telemetry import export
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+from kvobs_otel.tools.harness.workload import pressure_workload
 
 from otel_servers import free_port, start_collector, wait_for
 from otlp_receiver import HttpReceiver, latest_total, metric_values, received_ids

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvobs_otel.analysis.episodes import rebuild
-from kvobs_otel.otlp_file import FileSpan, read_spans
-from kvobs_otel.report import render_report, write_report
+from kvobs_otel.tools.analysis.episodes import rebuild
+from kvobs_otel.tools.otlp_file import FileSpan, read_spans
+from kvobs_otel.tools.report import render_report, write_report
 
 pytestmark = pytest.mark.vllm
 

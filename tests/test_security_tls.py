@@ -9,7 +9,7 @@ exactly what the Collector accepted. The certificates are made with ``openssl``
 at test time (tests/otel_servers.py make_pki) in a tmp dir.
 
 The sender is the product's own export path: ``kvobs-otel demo`` (the real vLLM
-scheduler + 2 rank processes on CPU, kvobs_otel.demo.run_demo) in a subprocess,
+scheduler + 2 rank processes on CPU, kvobs_otel.tools.demo.run_demo) in a subprocess,
 configured only through the standard OTEL_EXPORTER_OTLP_* variables. The demo
 also writes every span to its OTLP JSON file, which is what the Collector must
 have received: all of it with the right credentials, none of it otherwise,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobs_otel.otlp_file import FileSpan, read_spans
+from kvobs_otel.tools.otlp_file import FileSpan, read_spans
 
 from otel_servers import (
     Pki,
@@ -97,7 +97,7 @@ service:
 
 DRIVER = """
 import json, sys
-from kvobs_otel.demo import DemoOptions, run_demo
+from kvobs_otel.tools.demo import DemoOptions, run_demo
 requests, seed, out, endpoint = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 summary = run_demo(DemoOptions(ranks=2, requests=requests, seed=seed, out=out,
                                otlp_endpoint=endpoint, start_method="fork", mode="harness"))

@@ -31,11 +31,11 @@ from oracle import assert_traces_match_vllm
 from topology import AGENTS, DEPLOY, GATEWAYS, Topology
 
 import kvobs_otel
-from kvobs_otel.check import check_spans
-from kvobs_otel.harness.engine import Harness, HarnessConfig
-from kvobs_otel.harness.workload import PromptSpec, pressure_workload
-from kvobs_otel.otlp_file import FileSpan, read_spans
-from kvobs_otel.sources import jaeger_spans, load_spans
+from kvobs_otel.tools.check import check_spans
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+from kvobs_otel.tools.harness.workload import PromptSpec, pressure_workload
+from kvobs_otel.tools.otlp_file import FileSpan, read_spans
+from kvobs_otel.tools.sources import jaeger_spans, load_spans
 
 from conftest import run_cli
 from otel_servers import poll, wait_for
@@ -405,7 +405,7 @@ def settle_stable(topo: Topology, traces: dict[str, SentTrace],
 def lost_by_vllm(topo: Topology, agent: str) -> float:
     """Spans the node's processes counted as not delivered, as the node's
     agent (its Prometheus exporter) shows their counts."""
-    from kvobs_otel.harness.server import sum_samples
+    from kvobs_otel.tools.harness.server import sum_samples
 
     text = topo.exported_metric_text(agent)
     return sum(sum_samples(text, "kvobs_observer_dropped_total", reason=r)

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import vllm
 
-from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.hosts.vllm import releases
 from kvobs_otel.pipeline import current_pipeline
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
 
 from chains import SpanView, by_trace, view
 from test_vllm_episodes import start_recovery

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from kvobs_otel.harness.engine import Harness, HarnessConfig
 from kvobs_otel.pipeline import current_pipeline
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
 
 from chains import assert_recovered_chain, by_trace, episodes, view
 from test_vllm_episodes import start_recovery

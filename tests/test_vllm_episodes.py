@@ -8,10 +8,10 @@ import pytest
 import vllm
 from oracle import assert_traces_match_vllm
 
-from kvobs_otel.harness.engine import Harness, HarnessConfig
-from kvobs_otel.harness.workload import pressure_workload
 from kvobs_otel.hosts.vllm import releases
 from kvobs_otel.pipeline import current_pipeline
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+from kvobs_otel.tools.harness.workload import pressure_workload
 
 from chains import assert_recovered_chain, by_trace, episodes, view
 

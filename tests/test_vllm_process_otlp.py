@@ -10,9 +10,9 @@ import os
 import pytest
 
 import kvobs_otel
-from kvobs_otel.harness.engine import Harness, HarnessConfig
-from kvobs_otel.harness.workload import pressure_workload
 from kvobs_otel.plugin import register
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+from kvobs_otel.tools.harness.workload import pressure_workload
 
 from chains import assert_recovered_chain, episodes
 from otel_servers import wait_for

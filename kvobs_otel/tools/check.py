@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvobs_otel.analysis.episodes import FAILED_RESTORE, Episode, rebuild
-from kvobs_otel.analysis.skew import DEFAULT_TOLERANCE_S, clock_skew, format_skew
-from kvobs_otel.otlp_file import FileSpan
+from kvobs_otel.tools.analysis.episodes import FAILED_RESTORE, Episode, rebuild
+from kvobs_otel.tools.analysis.skew import DEFAULT_TOLERANCE_S, clock_skew, format_skew
+from kvobs_otel.tools.otlp_file import FileSpan
 
 
 def check_spans(spans: list[FileSpan], clock_tolerance_s: float = DEFAULT_TOLERANCE_S,

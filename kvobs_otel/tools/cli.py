@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return _demo(args)
     if args.command in ("check", "report"):
-        from kvobs_otel.otlp_file import OtlpFileError
-        from kvobs_otel.sources import load_spans
+        from kvobs_otel.tools.otlp_file import OtlpFileError
+        from kvobs_otel.tools.sources import load_spans
 
         try:
             spans = load_spans(args.source)
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "import-hust":
         return _import_hust(args)
     if args.command == "doctor":
-        from kvobs_otel.doctor import FAIL, format_findings, run_doctor
+        from kvobs_otel.tools.doctor import FAIL, format_findings, run_doctor
 
         findings = run_doctor(send=not args.no_send)
         print(format_findings(findings))
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvobs_otel.demo import DemoOptions, format_summary, run_demo
+    from kvobs_otel.tools.demo import DemoOptions, format_summary, run_demo
 
     if args.withhold_rank is not None and not 0 <= args.withhold_rank < args.ranks:
         return _fail("demo", f"--withhold-rank must be between 0 and {args.ranks - 1}")
@@ -165,9 +165,9 @@ def _import_hust(args: argparse.Namespace) -> int:
     import os
 
     from kvobs_otel.hosts.hust.jsonl import read_evidence
-    from kvobs_otel.hust_import import format_summary, import_evidence, incomplete, summary
     from kvobs_otel.telemetry.otlp_json import OtlpJsonFileSpanExporter
     from kvobs_otel.telemetry.providers import make_providers, make_span_exporter
+    from kvobs_otel.tools.hust_import import format_summary, import_evidence, incomplete, summary
 
     def progress(path: str, n: int) -> None:
         if sys.stderr.isatty():
@@ -209,8 +209,8 @@ def _import_hust(args: argparse.Namespace) -> int:
         return make_providers(attrs, span_exporters=exporters, metrics=False)
 
     result = import_evidence(evidence, providers, RequestIdHasher(key) if key else None)
-    from kvobs_otel.check import check_spans, format_table
-    from kvobs_otel.otlp_file import read_spans
+    from kvobs_otel.tools.check import check_spans, format_table
+    from kvobs_otel.tools.otlp_file import read_spans
 
     episodes, judged = check_spans(read_spans(args.out))
     s = summary(evidence, result, judged, args.out, endpoint)
@@ -220,7 +220,7 @@ def _import_hust(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, spans: list) -> int:
-    from kvobs_otel.check import check_spans, format_table, to_json
+    from kvobs_otel.tools.check import check_spans, format_table, to_json
 
     if not args.clock_tolerance_ms >= 0:
         return _fail("check", "--clock-tolerance-ms must be 0 or more")
@@ -231,7 +231,7 @@ def _check(args: argparse.Namespace, spans: list) -> int:
 
 
 def _report(args: argparse.Namespace, spans: list) -> int:
-    from kvobs_otel.report import write_report
+    from kvobs_otel.tools.report import write_report
 
     try:
         write_report(spans, args.output)

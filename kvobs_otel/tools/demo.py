@@ -24,8 +24,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TextIO
 
-from kvobs_otel.analysis.stats import percentile
-from kvobs_otel.otlp_file import FileSpan, read_spans
+from kvobs_otel.tools.analysis.stats import percentile
+from kvobs_otel.tools.otlp_file import FileSpan, read_spans
 
 MODES = ("auto", "engine", "harness")
 DEFAULT_REQUESTS = {"engine": 16, "harness": 12}
@@ -94,7 +94,7 @@ class Progress:
 
 def resolve_mode(mode: str) -> tuple[str, str]:
     """(mode, why) for ``auto``; an explicit mode is taken as asked."""
-    from kvobs_otel.harness.server import engine_available
+    from kvobs_otel.tools.harness.server import engine_available
 
     if mode != "auto":
         return mode, ""
@@ -122,9 +122,9 @@ def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
     """A real vLLM engine on CPU (API server, EngineCore, ``ranks`` workers)
     under concurrent streamed completions; stopped by SIGTERM, which flushes
     every process's spans into ``opts.out``."""
-    from kvobs_otel.harness.client import run_load
-    from kvobs_otel.harness.model_files import cache_dir, ensure_model
-    from kvobs_otel.harness.server import (
+    from kvobs_otel.tools.harness.client import run_load
+    from kvobs_otel.tools.harness.model_files import cache_dir, ensure_model
+    from kvobs_otel.tools.harness.server import (
         EngineServer,
         ServeConfig,
         engine_available,
@@ -216,9 +216,9 @@ def _run_harness(opts: DemoOptions, stream: TextIO) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     import kvobs_otel
-    from kvobs_otel.harness.engine import Harness, HarnessConfig
-    from kvobs_otel.harness.workload import pressure_workload
     from kvobs_otel.pipeline import current_pipeline
+    from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+    from kvobs_otel.tools.harness.workload import pressure_workload
 
     kvobs_otel.instrument()
     stream.write(f"kvobs-otel demo: vLLM scheduler + {opts.ranks} rank processes, "

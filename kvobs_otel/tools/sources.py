@@ -12,7 +12,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from kvobs_otel.otlp_file import FileSpan, OtlpFileError, read_spans
+from kvobs_otel.tools.otlp_file import FileSpan, OtlpFileError, read_spans
 
 DEFAULT_QUERY = {"service": "kvobs-otel", "operation": "kv.recovery", "lookback": "24h",
                  "limit": "1000"}

@@ -19,7 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvobs_otel.otlp_file import FileSpan
+from kvobs_otel.tools.otlp_file import FileSpan
 
 # Episodes that ended properly. "recovered" and "recomputed" have an
 # admission and first computes; the others ended before the request came back,

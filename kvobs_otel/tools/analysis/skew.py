@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs_otel.analysis.episodes import ADMITTED, Episode
-from kvobs_otel.otlp_file import FileSpan
+from kvobs_otel.tools.analysis.episodes import ADMITTED, Episode
+from kvobs_otel.tools.otlp_file import FileSpan
 
 # Job outcomes whose end is the last rank's receipt (receipt_incomplete and
 # abandoned end at a deadline or shutdown, before a late rank's transfer).

@@ -21,20 +21,20 @@ __all__ = [
 ]
 
 _EXPORTS = {
-    "Harness": "kvobs_otel.harness.engine",
-    "HarnessConfig": "kvobs_otel.harness.engine",
-    "JobEvent": "kvobs_otel.harness.engine",
-    "StepRecord": "kvobs_otel.harness.engine",
-    "KVIntegrityError": "kvobs_otel.harness.runner",
-    "PromptSpec": "kvobs_otel.harness.workload",
-    "make_prompts": "kvobs_otel.harness.workload",
-    "pressure_workload": "kvobs_otel.harness.workload",
+    "Harness": "kvobs_otel.tools.harness.engine",
+    "HarnessConfig": "kvobs_otel.tools.harness.engine",
+    "JobEvent": "kvobs_otel.tools.harness.engine",
+    "StepRecord": "kvobs_otel.tools.harness.engine",
+    "KVIntegrityError": "kvobs_otel.tools.harness.runner",
+    "PromptSpec": "kvobs_otel.tools.harness.workload",
+    "make_prompts": "kvobs_otel.tools.harness.workload",
+    "pressure_workload": "kvobs_otel.tools.harness.workload",
 }
 
 if TYPE_CHECKING:
-    from kvobs_otel.harness.engine import Harness, HarnessConfig, JobEvent, StepRecord
-    from kvobs_otel.harness.runner import KVIntegrityError
-    from kvobs_otel.harness.workload import PromptSpec, make_prompts, pressure_workload
+    from kvobs_otel.tools.harness.engine import Harness, HarnessConfig, JobEvent, StepRecord
+    from kvobs_otel.tools.harness.runner import KVIntegrityError
+    from kvobs_otel.tools.harness.workload import PromptSpec, make_prompts, pressure_workload
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvobs_otel.harness.model_files import corpus
+from kvobs_otel.tools.harness.model_files import corpus
 
 
 @dataclass

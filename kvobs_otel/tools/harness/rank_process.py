@@ -54,7 +54,7 @@ def _rank_main(conn: Connection, rank: int, env: dict[str, str], payload: bytes)
         torch.set_num_threads(1)
         from vllm.distributed.kv_transfer import kv_transfer_state
 
-        from kvobs_otel.harness.runner import RankRunner
+        from kvobs_otel.tools.harness.runner import RankRunner
 
         init = pickle.loads(payload)
         runner = RankRunner(**init)

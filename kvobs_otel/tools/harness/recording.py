@@ -2,7 +2,7 @@
 
 For tests of the harness itself: name it in the harness config
 (``connector="RecordingOffloadingConnector",
-connector_module_path="kvobs_otel.harness.recording"``) and read the call
+connector_module_path="kvobs_otel.tools.harness.recording"``) and read the call
 sequence of a rank with ``harness.rank_call(rank, "calls")``. Behaviour is
 unchanged; each call is logged as ``(method, details)`` before delegating.
 """

@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvobs_otel.harness import compat
-from kvobs_otel.harness.config import TinyLlama
-from kvobs_otel.harness.fabricate import KVFabricator, PrefixHashes, sampled_token
+from kvobs_otel.tools.harness import compat
+from kvobs_otel.tools.harness.config import TinyLlama
+from kvobs_otel.tools.harness.fabricate import KVFabricator, PrefixHashes, sampled_token
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

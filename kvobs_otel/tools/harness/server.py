@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs_otel.harness.config import HARNESS_SPEC_MODULE, HARNESS_SPEC_NAME
+from kvobs_otel.tools.harness.config import HARNESS_SPEC_MODULE, HARNESS_SPEC_NAME
 
 # How the engine is observed (the three benchmark variants plus the explicit
 # connector): plugin = our vllm.general_plugins entry point, enabled;

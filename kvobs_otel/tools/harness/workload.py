@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvobs_otel.harness.fabricate import random_tokens
+from kvobs_otel.tools.harness.fabricate import random_tokens
 
 if TYPE_CHECKING:
-    from kvobs_otel.harness.engine import Harness
+    from kvobs_otel.tools.harness.engine import Harness
 
 
 @dataclass(frozen=True)

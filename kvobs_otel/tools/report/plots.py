@@ -7,9 +7,9 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from kvobs_otel.analysis.stats import percentile
-from kvobs_otel.otlp_file import FileSpan
-from kvobs_otel.report_svg import (
+from kvobs_otel.tools.analysis.stats import percentile
+from kvobs_otel.tools.otlp_file import FileSpan
+from kvobs_otel.tools.report.svg import (
     MARKERS,
     LinearScale,
     LogScale,
@@ -23,7 +23,7 @@ from kvobs_otel.report_svg import (
     x_axis,
     y_axis,
 )
-from kvobs_otel.report_timeline import KINDS, span_rank
+from kvobs_otel.tools.report.timeline import KINDS, span_rank
 
 DIRECTION_COLOUR = {"d2h": KINDS["d2h"][1], "h2d": KINDS["h2d"][1]}
 OTHER_COLOUR = "#6b7280"

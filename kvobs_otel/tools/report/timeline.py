@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from kvobs_otel.analysis.episodes import Episode
-from kvobs_otel.otlp_file import FileSpan
-from kvobs_otel.report_svg import LinearScale, esc, f1, fmt_bytes, fmt_ms, fmt_num, x_axis
+from kvobs_otel.tools.analysis.episodes import Episode
+from kvobs_otel.tools.otlp_file import FileSpan
+from kvobs_otel.tools.report.svg import LinearScale, esc, f1, fmt_bytes, fmt_ms, fmt_num, x_axis
 
 # kind -> (legend label, fill colour). Order is the legend's order.
 KINDS: dict[str, tuple[str, str]] = {

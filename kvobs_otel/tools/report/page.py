@@ -4,7 +4,7 @@
 script, no external resource): a summary of the source, plots of recovery
 latency and transfer throughput, and a timeline of each episode with a lane
 for the scheduler and one per rank. Episodes and their problems come from
-``kvobs_otel.analysis.episodes.rebuild``. Every string taken from the data is
+``kvobs_otel.tools.analysis.episodes.rebuild``. Every string taken from the data is
 HTML-escaped.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from datetime import datetime, timezone
 
-from kvobs_otel.analysis.episodes import Episode, rebuild
-from kvobs_otel.analysis.stats import percentile
-from kvobs_otel.otlp_file import FileSpan
-from kvobs_otel.report_plots import (
+from kvobs_otel.tools.analysis.episodes import Episode, rebuild
+from kvobs_otel.tools.analysis.stats import percentile
+from kvobs_otel.tools.otlp_file import FileSpan
+from kvobs_otel.tools.report.plots import (
     collect_transfers,
     latency_histogram,
     throughput_legend,
@@ -24,8 +24,8 @@ from kvobs_otel.report_plots import (
     throughput_spread,
     throughput_table,
 )
-from kvobs_otel.report_svg import esc, fmt_ms
-from kvobs_otel.report_timeline import ERROR_STROKE, KINDS, render_timeline
+from kvobs_otel.tools.report.svg import esc, fmt_ms
+from kvobs_otel.tools.report.timeline import ERROR_STROKE, KINDS, render_timeline
 
 DEFAULT_TITLE = "kvobs-otel recovery report"
 MAX_EPISODES = 200

@@ -11,9 +11,12 @@
 # Each environment is cached outside the repository,
 #   ${KVOBS_CACHE_DIR:-$HOME/.cache/kvobs-otel}/venv-VERSION-KEY
 # KEY hashing its pinned inputs (the distribution, the pin file and the
-# requirement files, comments ignored), so it is built once; later runs reuse
-# it at once and only re-link the project when the clone moved or its
-# pyproject.toml changed. Progress goes to stderr, the path to stdout.
+# requirement files, comments ignored), so it is built once and shared by
+# every clone. The project is never installed there: each clone gets its own
+# thin environment on top of it, $repo/.venvs/vllm-VERSION (seconds to make;
+# remade when the clone moved, its pyproject.toml changed or the cached
+# environment did), and that is the path printed. Progress goes to stderr,
+# the path to stdout.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -90,14 +93,62 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
   echo "$tag ready in $((SECONDS - t0))s" >&2
 fi
-# The project itself, editable and without dependencies (vLLM's full
-# dependency set must not be pulled), whenever the venv does not already
-# import it from this clone with this pyproject.toml.
-stamp="$repo $(sha256sum <"$repo/pyproject.toml" | cut -c1-12)"
-if [ "$(cat "$venv/.project" 2>/dev/null)" != "$stamp" ] ||
-   ! (cd / && "$venv/bin/python" -c 'import sys, kvobs_otel
-sys.exit(kvobs_otel.__file__ != sys.argv[1])' "$repo/kvobs_otel/__init__.py") 2>/dev/null; then
-  quiet "$venv/bin/pip" install --no-deps --no-build-isolation -e "$repo"
-  echo "$stamp" >"$venv/.project"
+# Why a thin environment per clone: an editable install in the shared
+# environment is one link, to whichever clone ran setup last. Re-linking on
+# every call (what this script did) repairs it only for the caller, and only
+# until another clone calls: a run already under way (a 30-minute `make
+# test`) then starts its export sidecars, rank processes, vLLM's own
+# processes and the kvobs-otel script with the other clone's code, and a
+# process started from the shared python directly never gets repaired. One
+# environment cannot hold two links (every .pth in it is read by every
+# process), so each clone has its own.
+base_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if compgen -G "$base_site/*kvobs_otel*" >/dev/null; then
+  # An older setup-env.sh linked a clone into the shared environment: unlink
+  # it, so that no process of the shared python runs that clone's code.
+  quiet "$venv/bin/python" -m pip uninstall -y kvobs-otel
+  rm -f "$venv/.project"
 fi
-echo "$venv"
+clone="$repo/.venvs/vllm-$version"
+stamp="$venv $repo $(sha256sum <"$repo/pyproject.toml" | cut -c1-12)"
+if [ "$(cat "$clone/.stamp" 2>/dev/null)" != "$stamp" ] ||
+   ! (cd / && "$clone/bin/python" -c 'import sys, kvobs_otel
+sys.exit(kvobs_otel.__file__ != sys.argv[1])' "$repo/kvobs_otel/__init__.py") 2>/dev/null; then
+  t0=$SECONDS
+  rm -rf "$clone"
+  quiet "$venv/bin/python" -m venv --without-pip "$clone"
+  site=$("$clone/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # The shared environment's packages, after this one's, and its .pth files
+  # but any kvobs_otel link (an older setup-env.sh or pip may have left one).
+  cat >"$site/_kvobs_shared_env.py" <<PY
+"""Written by .ci/setup-env.sh: this clone's environment sees the shared one's packages."""
+import os, site, sys
+
+SHARED = "$base_site"
+if SHARED not in sys.path:
+    sys.path.append(SHARED)
+    known = set(sys.path)
+    for name in sorted(os.listdir(SHARED)):
+        if name.endswith(".pth") and "kvobs_otel" not in name:
+            site.addpackage(SHARED, name, known)
+PY
+  echo "import _kvobs_shared_env" >"$site/_kvobs_shared_env.pth"
+  # The shared environment's commands (ruff, pytest, vllm, ...): a Python
+  # script is copied to run this environment's python, a binary is linked.
+  for f in "$venv"/bin/*; do
+    n=${f##*/}
+    [ -e "$clone/bin/$n" ] && continue
+    if head -n 1 "$f" | grep -Eqx "#!$venv/bin/python[0-9.]*"; then
+      { echo "#!$clone/bin/python"; tail -n +2 "$f"; } >"$clone/bin/$n"
+      chmod +x "$clone/bin/$n"
+    else
+      ln -s "$f" "$clone/bin/$n"
+    fi
+  done
+  # The project itself, editable and without dependencies (vLLM's full
+  # dependency set must not be pulled).
+  quiet "$clone/bin/python" -m pip install --no-deps --no-build-isolation -e "$repo"
+  echo "$stamp" >"$clone/.stamp"
+  echo "$tag linked this clone ($clone) in $((SECONDS - t0))s" >&2
+fi
+echo "$clone"

@@ -137,7 +137,7 @@ PY
   # script is copied to run this environment's python, a binary is linked.
   for f in "$venv"/bin/*; do
     n=${f##*/}
-    [ -e "$clone/bin/$n" ] && continue
+    [ -f "$f" ] && [ ! -e "$clone/bin/$n" ] || continue  # (not __pycache__/)
     if head -n 1 "$f" | grep -Eqx "#!$venv/bin/python[0-9.]*"; then
       { echo "#!$clone/bin/python"; tail -n +2 "$f"; } >"$clone/bin/$n"
       chmod +x "$clone/bin/$n"

@@ -264,8 +264,10 @@ def faketime(tmp_path: Path) -> dict[str, str]:
     """A process environment whose wall clock runs OFFSET_S ahead; its
     monotonic clock is left alone, as another host's would be."""
     if not LIBFAKETIME.exists():
-        pytest.skip(f"libfaketime is not installed ({LIBFAKETIME}; Debian package "
-                    "libfaketime, .ci/setup-servers.sh installs it)")
+        # A failure, not a skip: CI installs it (.ci/setup-servers.sh), and a
+        # missing component must not pass unnoticed.
+        pytest.fail(f"libfaketime is not installed ({LIBFAKETIME}): 'sudo apt-get install "
+                    "libfaketime' (Debian's package; .ci/setup-servers.sh installs it)")
     (tmp_path / "sitecustomize.py").write_text(SLEEP_SHIM)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     return {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": f"+{OFFSET_S:g}",

@@ -136,7 +136,10 @@ class ObserverSet:
         self.remote_drops: dict[str, int] = {}
         self.remote_errors: dict[str, int] = {}
         self._errors: Counter[str] = Counter()
+        self._drops: Counter[str] = Counter()  # counted here (process_killed)
         self._logged: set[str] = set()
+        self.controls_seen = 0
+        self.last_event_ns = 0  # the newest event handled (its seam's t_ns)
 
     # -- counters ----------------------------------------------------------------
     def count_error(self, stage: str) -> None:
@@ -161,6 +164,7 @@ class ObserverSet:
         from kvobs_otel.telemetry import export
 
         out = Counter(self.remote_drops)
+        out.update(self._drops)
         out.update(export.STATS.snapshot()[1])
         return dict(out)
 
@@ -216,8 +220,13 @@ class ObserverSet:
                     observers[key].lifecycle.handle(event)
             except Exception:
                 self.count_error("lifecycle")
+        for event in reversed(events):  # controls carry no time
+            if event[0] != CONTROL_KEY:
+                self.last_event_ns = event[2]
+                break
 
     def _control(self, event: tuple[Any, ...]) -> None:
+        self.controls_seen += 1
         if event[1] == REGISTER:
             _k, _c, key, spec, resource, progress = event
             if key not in self.observers:  # a restarted sidecar was told already
@@ -241,12 +250,12 @@ class ObserverSet:
             # os._exit, skipping atexit): report the final counts now.
             self.close_process_metrics()
 
-    def close_process_metrics(self) -> None:
+    def close_process_metrics(self, timeout_s: float = METRICS_CLOSE_TIMEOUT_S) -> None:
         providers, self.process_metrics = self.process_metrics, None
         if providers is not None:
             self.log_final_counts()
             try:
-                providers.close(METRICS_CLOSE_TIMEOUT_S)
+                providers.close(timeout_s)
             except Exception:
                 self.count_error("export_shutdown")
 
@@ -260,11 +269,48 @@ class ObserverSet:
                            ", ".join(f"{k}={v}" for k, v in sorted(drops.items())),
                            self.exported_spans())
 
-    def close(self) -> None:
-        """Every observer's spans out first, so that the delivery counts the
-        process meter exports last are final. One deadline for all of it: a
-        hanging endpoint must not hold a shutting-down process for long."""
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    def end_open(self, cause: str) -> None:
+        """The process stopped: each role's lifecycle ends what it still has
+        open (jobs, episodes, transfers) as abandoned, saying ``cause``.
+        Without this they would never become spans at all."""
+        now = time.monotonic_ns()
+        for obs in list(self.observers.values()):
+            shutdown = getattr(obs.lifecycle, "shutdown", None)
+            if shutdown is None:
+                continue
+            try:
+                shutdown(now, cause)
+            except Exception:
+                self.count_error("shutdown")
+
+    def process_killed(self, unsent: int) -> None:
+        """The observed process ended without closing (killed): a
+        ``kv.process.end`` span per role, for the window in which its
+        events may have been lost, and the loss counted."""
+        from kvobs_otel.lifecycle import records as rec
+
+        now = time.monotonic_ns()
+        self._drops["process_killed"] += unsent
+        for obs in list(self.observers.values()):
+            lc = obs.lifecycle
+            role = getattr(lc, "role", "unknown")
+            gen = getattr(lc, "gen", "") if role == "scheduler" else getattr(lc, "sched_gen", "")
+            obs.emit(rec.ProcessEndRecord(
+                role=role, rank=getattr(lc, "rank", None) if role == "worker" else None,
+                sched_gen=gen or "", last_event_ns=self.last_event_ns, end_ns=now,
+                unsent_events=unsent))
+
+    def close(self, cause: str | None = None, timeout_s: float = CLOSE_TIMEOUT_S,
+              metrics_timeout_s: float = METRICS_CLOSE_TIMEOUT_S) -> None:
+        """End what is still open (``cause``: the process's end, see
+        ``end_open``), then every observer's spans out first, so that the
+        delivery counts the process meter exports last are final. One
+        deadline for all of it: a hanging endpoint must not hold a
+        shutting-down process for long."""
+        from kvobs_otel.lifecycle import records as rec
+
+        self.end_open(cause or rec.END_PROCESS_EXIT)
+        deadline = time.monotonic() + timeout_s
         observers = list(self.observers.values())
         for observer in observers:
             try:
@@ -275,4 +321,4 @@ class ObserverSet:
         for observer in observers:
             observer.close(max(0.1, deadline - time.monotonic()))
         self.observers.clear()
-        self.close_process_metrics()  # last: the final delivery counts
+        self.close_process_metrics(metrics_timeout_s)  # last: the final delivery counts

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 COMPLETE = "complete"
 RECEIPT_INCOMPLETE = "receipt_incomplete"
 ABANDONED = "abandoned"
+# Why something was abandoned (``end_cause``): its process stopped before it
+# could finish. None of them is a failure of the KV chain itself.
+END_CONNECTOR_SHUTDOWN = "connector_shutdown"  # vLLM shut the connector down
+END_PROCESS_EXIT = "process_exit"  # the process exited without that (atexit)
+# The vLLM process ended without a word to its sidecar (SIGKILL, os._exit):
+# what it recorded after its last hand-over never left it.
+END_PROCESS_KILLED = "process_killed"
+END_CAUSES = (END_CONNECTOR_SHUTDOWN, END_PROCESS_EXIT, END_PROCESS_KILLED)
 # Every rank reported, and at least one rank's transfer failed (vLLM 0.34+).
 JOB_FAILED = "failed"
 
@@ -66,6 +74,7 @@ class JobRecord:
     receipt_spread_ns: int = 0
     # Store jobs: host-tier chunks written (dropped again when the store failed).
     host_chunks: int = 0
+    end_cause: str | None = None  # ABANDONED: END_*
 
 
 @dataclass(slots=True)
@@ -85,6 +94,7 @@ class TransferRecord:
     episode_epoch: int = 0
     expedited: bool = False
     join_scope: str = JOIN_CLUSTER
+    end_cause: str | None = None  # TRANSFER_CANCELLED: END_*
 
 
 @dataclass(slots=True)
@@ -138,6 +148,7 @@ class EpisodeRecord:
     tokens_restored: int | None = None  # loaded from the host tier
     tokens_resident: int | None = None  # still in the device prefix cache
     tokens_recomputed: int | None = None  # computed again
+    end_cause: str | None = None  # ABANDONED: END_*
 
     def tokens(self) -> tuple[tuple[str, int | None], ...]:
         """(source, tokens) of the accounting: the span's attributes and the
@@ -157,3 +168,18 @@ class RequestRecord:
     outcome: str  # "finished" | "aborted" | "abandoned"
     traceparent: str | None
     jobs: int
+    end_cause: str | None = None  # ABANDONED: END_*
+
+
+@dataclass(slots=True)
+class ProcessEndRecord:
+    """A vLLM process ended without a word to its sidecar (killed): the
+    window in which what it recorded may never have left it."""
+
+    role: str
+    rank: int | None
+    sched_gen: str  # the scheduler generation it last worked for ("" unknown)
+    last_event_ns: int  # its newest event the sidecar got (0: none)
+    end_ns: int  # when the sidecar saw its pipe end
+    unsent_events: int  # events it accepted that never reached the sidecar
+    cause: str = END_PROCESS_KILLED

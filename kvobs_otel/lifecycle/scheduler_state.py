@@ -125,7 +125,7 @@ class SchedulerLifecycle:
             for ep in self.episodes.values():
                 ep.events.append(rec.EpisodeEvent("kv.cache_reset", t))
         elif kind == ev.S_SHUTDOWN:
-            self.shutdown(t)
+            self.shutdown(t, rec.END_CONNECTOR_SHUTDOWN)
 
     def _request(self, t: int, req_id: str) -> _Request:
         r = self.requests.get(req_id)
@@ -219,7 +219,7 @@ class SchedulerLifecycle:
                 self._end_episode(req_id, ep, t,
                                   rec.RECOMPUTED if ep.failed_jobs else rec.RECOVERED)
 
-    def _end_job(self, job_id: int, t: int, outcome: str) -> None:
+    def _end_job(self, job_id: int, t: int, outcome: str, cause: str | None = None) -> None:
         job = self.jobs.pop(job_id)
         self._closed[job_id] = None
         if len(self._closed) > self._CLOSED_MEMORY:
@@ -237,7 +237,7 @@ class SchedulerLifecycle:
             failed_ranks=sorted(job.failed),
             last_ranks=sorted(r for r, rt in received.items() if rt == last_t),
             receipt_spread_ns=last_t - min(received.values(), default=0),
-            host_chunks=job.host_chunks))
+            host_chunks=job.host_chunks, end_cause=cause))
         ep = self.episodes.get(job.req_id)
         if ep is not None and job.role == rec.RESTORE and ep.epoch == job.epoch:
             ep.open_restores.discard(job_id)
@@ -247,7 +247,7 @@ class SchedulerLifecycle:
             if outcome not in (rec.COMPLETE, rec.JOB_FAILED):
                 ep.incomplete_jobs.append(job_id)
                 del self.episodes[job.req_id]
-                self._end_episode(job.req_id, ep, t, outcome)
+                self._end_episode(job.req_id, ep, t, outcome, cause)
             elif not ep.open_restores:
                 ep.ready_ns = t
                 if ep.finished_error:
@@ -258,7 +258,7 @@ class SchedulerLifecycle:
         if r is not None:
             r.open_jobs -= 1
             r.last_ns = max(r.last_ns, t)
-            self._maybe_end_request(job.req_id, r)
+            self._maybe_end_request(job.req_id, r, cause=cause)
 
     # -- requests and episodes --------------------------------------------------------
     def _finished(self, t: int, req_id: str, status: str) -> None:
@@ -278,7 +278,8 @@ class SchedulerLifecycle:
             r.last_ns = max(r.last_ns, t)
             self._maybe_end_request(req_id, r)
 
-    def _maybe_end_request(self, req_id: str, r: _Request, force: str | None = None) -> None:
+    def _maybe_end_request(self, req_id: str, r: _Request, force: str | None = None,
+                           cause: str | None = None) -> None:
         if force is None and (r.finished is None or r.open_jobs > 0):
             return
         del self.requests[req_id]
@@ -287,9 +288,10 @@ class SchedulerLifecycle:
         self.sink.emit(rec.RequestRecord(
             sched_gen=self.gen, req_id=req_id, start_ns=r.start_ns, end_ns=r.last_ns,
             outcome=force or r.finished or "finished", traceparent=r.traceparent,
-            jobs=r.jobs))
+            jobs=r.jobs, end_cause=cause if force == rec.ABANDONED else None))
 
-    def _end_episode(self, req_id: str, ep: _Episode, t: int, outcome: str) -> None:
+    def _end_episode(self, req_id: str, ep: _Episode, t: int, outcome: str,
+                     cause: str | None = None) -> None:
         missing_fc = []
         restored = resident = recomputed = None
         if ep.admitted_ns is not None:
@@ -309,7 +311,8 @@ class SchedulerLifecycle:
             missing_first_compute_ranks=missing_fc, incomplete_jobs=ep.incomplete_jobs,
             failed_restore_jobs=ep.failed_jobs, failed_ranks=sorted(ep.failed_ranks),
             tokens_discarded=ep.discarded, tokens_restored=restored, tokens_resident=resident,
-            tokens_recomputed=recomputed))
+            tokens_recomputed=recomputed,
+            end_cause=cause if outcome == rec.ABANDONED else None))
 
     # -- time ---------------------------------------------------------------------------
     def tick(self, now: int) -> None:
@@ -337,15 +340,17 @@ class SchedulerLifecycle:
             self._end_episode(req_id, self.episodes.pop(req_id), now,
                               rec.FIRST_COMPUTE_INCOMPLETE)
 
-    def shutdown(self, t: int) -> None:
+    def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN) -> None:
+        """End everything still open as ABANDONED, saying why (``cause``):
+        the process stopped first, which is no failure of the chain."""
         for job_id in list(self.jobs):
-            self._end_job(job_id, t, rec.ABANDONED)
+            self._end_job(job_id, t, rec.ABANDONED, cause)
         for req_id in list(self.episodes):
-            self._end_episode(req_id, self.episodes.pop(req_id), t, rec.ABANDONED)
+            self._end_episode(req_id, self.episodes.pop(req_id), t, rec.ABANDONED, cause)
         for req_id in list(self.requests):
             r = self.requests[req_id]
             r.last_ns = max(r.last_ns, t)
-            self._maybe_end_request(req_id, r, force=r.finished or rec.ABANDONED)
+            self._maybe_end_request(req_id, r, force=r.finished or rec.ABANDONED, cause=cause)
 
     @property
     def open_receipts(self) -> int:

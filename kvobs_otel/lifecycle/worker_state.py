@@ -47,7 +47,7 @@ class WorkerLifecycle:
                 sched_gen=sched_gen, req_id=req_id, epoch=epoch, rank=self.rank,
                 worker_gen=self.gen, compute_kind=kind_, start_ns=start, end_ns=t))
         elif kind == ev.W_SHUTDOWN:
-            self.shutdown(t)
+            self.shutdown(t, rec.END_CONNECTOR_SHUTDOWN)
 
     def _step(self, sched_gen: str, loads, stores, flushed, episodes) -> None:
         self.sched_gen = sched_gen
@@ -81,7 +81,8 @@ class WorkerLifecycle:
                    rec.TRANSFER_OK if success else rec.TRANSFER_FAILED, size, device_time,
                    start[2])
 
-    def _emit(self, job_id, is_load, start, end, outcome, size, device_time, expedited) -> None:
+    def _emit(self, job_id, is_load, start, end, outcome, size, device_time, expedited,
+              cause: str | None = None) -> None:
         c = self.ctx.pop(job_id, None)
         if c is None:
             # No step metadata named this job: metrics only, no trace to join.
@@ -91,13 +92,14 @@ class WorkerLifecycle:
             direction="h2d" if is_load else "d2h", blocks=c[2] if c else 0,
             size_bytes=size, device_time_s=device_time, rank=self.rank, worker_gen=self.gen,
             outcome=outcome, start_ns=start, end_ns=end, episode_epoch=c[3] if c else 0,
-            expedited=expedited))
+            expedited=expedited, end_cause=cause))
 
     def anomalies(self) -> dict[str, int]:
         return {"result_without_submit": self.unknown_results,
                 "transfer_without_job": self.unjoined_results}
 
-    def shutdown(self, t: int) -> None:
+    def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN) -> None:
         for job_id, (start, is_load, expedited) in list(self.inflight.items()):
-            self._emit(job_id, is_load, start, t, rec.TRANSFER_CANCELLED, None, None, expedited)
+            self._emit(job_id, is_load, start, t, rec.TRANSFER_CANCELLED, None, None, expedited,
+                       cause)
         self.inflight.clear()

@@ -6,6 +6,11 @@ kvobs_otel.sidecar``), not ``multiprocessing``: vLLM's workers are daemonic
 through ``multiprocessing``, and an exec'd child inherits none of vLLM's
 threads, locks or CUDA state.
 
+The sidecar is not this process's child (``main.py``: an intermediate
+process forks it and exits), so that vLLM's kill of this process's tree
+cannot reach it; a ``life`` pipe whose write end only the sidecar holds
+tells this process its pid and when it exits.
+
 Failure policy (docs/architecture.md, "The export sidecar"):
 
 - every event the sidecar never handled is counted ``sidecar_lost``: those in
@@ -28,6 +33,7 @@ import mmap
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -36,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvobs_otel.clock import wall_anchor_ns
 from kvobs_otel.sidecar import wire
-from kvobs_otel.sidecar.main import SHARED
+from kvobs_otel.sidecar.main import ACCEPTED_AT, BASE_AT, SHARED
 
 if TYPE_CHECKING:
     from kvobs_otel.pipeline import Pipeline
@@ -50,13 +56,17 @@ POLL_S = 1.0  # how often an idle drain cycle checks that the sidecar lives
 # A larger pipe absorbs bursts while the sidecar is busy (Linux; best effort).
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+SHARED_Q = struct.Struct("<Q")
 
 
 class SidecarLink:
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None  # the intermediate
         self.fd = -1
+        self._life = -1  # read end of the life pipe (EOF: the sidecar exited)
+        self._sidecar_pid: int | None = None
+        self._life_buf = b""
         self._shm: mmap.mmap | None = None
         self.written = 0  # events in frames wholly written to the current sidecar
         self.lost = 0  # events no sidecar handled
@@ -83,34 +93,75 @@ class SidecarLink:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        """The sidecar's pid (it says it as it starts: waited for, briefly;
+        None when there is no sidecar)."""
+        deadline = time.monotonic() + 5.0
+        while self._sidecar_pid is None and self._alive(
+                max(0.0, deadline - time.monotonic())) and time.monotonic() < deadline:
+            pass
+        return self._sidecar_pid
+
+    def _alive(self, wait_s: float = 0.0) -> bool:
+        """Whether the sidecar may still run: its life pipe has not ended.
+        Reads its pid when it arrives; reaps the intermediate."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.poll()
+        if self._life < 0:
+            return False
+        while True:
+            if wait_s > 0 and not select.select([self._life], [], [], wait_s)[0]:
+                return True
+            try:
+                data = os.read(self._life, 64)
+            except BlockingIOError:
+                return True
+            except OSError:
+                data = b""
+            if not data:
+                os.close(self._life)
+                self._life = -1
+                return False
+            self._life_buf += data
+            if self._sidecar_pid is None and len(self._life_buf) >= 8:
+                self._sidecar_pid = int.from_bytes(self._life_buf[:8], "little")
 
     # -- start ------------------------------------------------------------------------
     def _start(self) -> bool:
-        rfd = -1
+        rfd = life_w = -1
         try:
             rfd, wfd = os.pipe()
+            life_r, life_w = os.pipe()
             with contextlib.suppress(OSError):
                 fcntl.fcntl(wfd, _F_SETPIPE_SZ, PIPE_BYTES)
             with tempfile.TemporaryFile() as shm_file:
                 shm_file.truncate(SHARED.size)
                 shm_fd = shm_file.fileno()
-                self._shm = mmap.mmap(shm_fd, SHARED.size)
+                self._shm = shm = mmap.mmap(shm_fd, SHARED.size)
+                # Events drained before this sidecar are not its to handle.
+                buffer = self.pipeline.buffer
+                SHARED_Q.pack_into(shm, BASE_AT, max(0, buffer.accepted - len(buffer)))
+                buffer.count_into(memoryview(shm)[ACCEPTED_AT:ACCEPTED_AT + 8].cast("Q"))
                 env = dict(os.environ)
                 # The child imports this very copy of kvobs_otel.
                 root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
                 env["PYTHONPATH"] = os.pathsep.join(
                     p for p in (root, env.get("PYTHONPATH", "")) if p)
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "kvobs_otel.sidecar", str(rfd), str(shm_fd)],
-                    pass_fds=(rfd, shm_fd), stdin=subprocess.DEVNULL, env=env,
+                    [sys.executable, "-m", "kvobs_otel.sidecar", str(rfd), str(shm_fd),
+                     str(life_w)],
+                    pass_fds=(rfd, shm_fd, life_w), stdin=subprocess.DEVNULL, env=env,
                     start_new_session=True)
             os.close(rfd)
+            os.close(life_w)
             os.set_blocking(wfd, False)
+            os.set_blocking(life_r, False)
             self.fd, self.written = wfd, 0
+            self._life, self._sidecar_pid, self._life_buf = life_r, None, b""
         except Exception:
-            if rfd >= 0:
-                os.close(rfd)
+            for fd in (rfd, life_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
             logger.warning("kvobs-otel: could not start the export sidecar", exc_info=True)
             return self._failed()
         from kvobs_otel.observers import CONTROL_KEY, REGISTER
@@ -151,7 +202,7 @@ class SidecarLink:
         now = time.monotonic()
         if now >= self._next_poll:
             self._next_poll = now + POLL_S
-            if self.proc is not None and self.proc.poll() is not None:
+            if self.proc is not None and not self._alive():
                 self._failed()
 
     def send_events(self, batch: list[tuple[Any, ...]]) -> bool:
@@ -245,7 +296,7 @@ class SidecarLink:
         """What the current (or last) sidecar published: events handled,
         spans delivered, observations dropped on its side."""
         try:
-            values = SHARED.unpack_from(self._shm, 0) if self._shm is not None else (0, 0, 0)
+            values = SHARED.unpack_from(self._shm, 0)[:3] if self._shm is not None else (0, 0, 0)
         except Exception:
             values = (0, 0, 0)
         return dict(zip(("handled", "exported", "dropped"), values, strict=True))
@@ -257,22 +308,31 @@ class SidecarLink:
         """Let go of the current sidecar, counting what it never handled."""
         self._settle()  # a write it failed: its whole frames reached the pipe
         proc = self.proc
-        if proc is not None and kill:
+        if proc is not None and kill and self._alive():  # (alive: its pid is still its own)
             with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(self.pid or proc.pid, signal.SIGKILL)  # (or the intermediate)
         if self.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
         if proc is not None:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=1.0 if kill else 0.0)
+            deadline = time.monotonic() + (1.0 if kill else 0.0)
+            while self._alive(max(0.0, deadline - time.monotonic())) and (
+                    time.monotonic() < deadline):
+                pass
             self.lost += max(0, self.written - self._handled())
+        self._close_life()
         self.proc, self.written = None, 0
 
+    def _close_life(self) -> None:
+        if self._life >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._life)
+        self._life, self._sidecar_pid = -1, None
+
     def _failed(self, kill: bool = False) -> bool:
-        code = self.proc.poll() if self.proc is not None else None
-        self._drop_current(kill or code is None)
+        alive = self.proc is not None and self._alive()
+        self._drop_current(kill or alive)
         self.pipeline.count_error("sidecar", quiet=True)  # said below
         now = time.monotonic()
         self.failures = [t for t in self.failures if now - t < FAILURE_WINDOW_S] + [now]
@@ -282,30 +342,36 @@ class SidecarLink:
                            FAILURE_WINDOW_S)
             self.pipeline.fall_back_in_process()
             return False
-        logger.warning("kvobs-otel: the export sidecar is gone (exit %s); restarting it "
-                       "(%d of %d failures allowed in %.0f s)", code, len(self.failures),
-                       MAX_FAILURES, FAILURE_WINDOW_S)
+        logger.warning("kvobs-otel: the export sidecar is gone%s; restarting it "
+                       "(%d of %d failures allowed in %.0f s)",
+                       " (killed: it stalled or wrote nothing)" if alive else "",
+                       len(self.failures), MAX_FAILURES, FAILURE_WINDOW_S)
         return self._start()
 
     # -- end --------------------------------------------------------------------------
     def end(self, timeout_s: float) -> None:
-        """Ask the sidecar to flush and exit; wait for it at most ``timeout_s``
-        (it finishes on its own if it needs longer)."""
+        """Say goodbye to the sidecar and wait for it to finish at most
+        ``timeout_s``: a clean stop of vLLM then finds everything delivered
+        once vLLM is gone. Past that, or if vLLM kills this process while it
+        waits, the sidecar finishes on its own (within its own bound,
+        main.py) and counts and exports what it loses itself."""
         self.closing_by = min(self.closing_by, time.monotonic() + timeout_s)
-        proc, self.ended = self.proc, True
+        self.ended = True
         if self.fd >= 0:
             self._write(wire.frame(("end",)))
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if proc is not None:
-            try:
-                proc.wait(timeout=max(0.0, self.closing_by - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("kvobs-otel: the export sidecar (pid %d) is still flushing "
-                               "after %.1f s; leaving it to finish", proc.pid, timeout_s)
+        if self.proc is not None:
+            while self._alive(max(0.0, self.closing_by - time.monotonic())) and (
+                    time.monotonic() < self.closing_by):
+                pass
+            if self._life >= 0:
+                logger.warning("kvobs-otel: the export sidecar (pid %s) is still flushing "
+                               "after %.1f s; leaving it to finish", self.pid, timeout_s)
             else:
                 self.lost += max(0, self.written - self._handled())
+        self._close_life()
         self.proc, self.closing_by = None, float("inf")
 
     def retire(self) -> None:
@@ -313,8 +379,9 @@ class SidecarLink:
         self._drop_current(kill=True)
 
     def forget(self) -> None:
-        """In a forked child: close our copy of the pipe, touch nothing else."""
-        if self.fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-        self.fd, self.proc = -1, None
+        """In a forked child: close our copy of the pipes, touch nothing else."""
+        for fd in (self.fd, self._life):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.fd, self._life, self.proc = -1, -1, None

@@ -1,10 +1,22 @@
 """The sidecar process: reads its vLLM process's events from a pipe and runs
 the export side (``observers.py``) on them, until the pipe ends.
 
-It lives in its own session (Ctrl-C at the terminal and SIGTERM to vLLM's
-process group do not reach it) and ignores SIGINT and SIGTERM: its lifetime is
-its parent's, plus the bounded final flush. Pipe EOF - a clean exit,
-``os._exit`` or SIGKILL of the parent alike - flushes and exits.
+It is no descendant of its vLLM process: started through an intermediate
+process that forks it and exits at once, it is adopted by init (or the
+nearest subreaper). vLLM's shutdown kills each engine process's whole tree
+(``kill_process_tree``: SIGKILL to every descendant psutil finds), often the
+moment it asked them to stop; a sidecar in that tree would die with what it
+still held. It lives in its own session (Ctrl-C at the terminal and SIGTERM
+to vLLM's process group do not reach it) and ignores SIGINT and SIGTERM: its
+lifetime is its vLLM process's, plus the bounded final flush. Pipe EOF - a
+clean exit, ``os._exit`` or SIGKILL of the vLLM process alike - flushes and
+exits. EOF without the vLLM process's goodbye (``("end",)``) means it was
+killed: what it still had open is ended as abandoned (``process_killed``),
+and a ``kv.process.end`` span and a drop count say what never left it.
+
+The vLLM process watches a third pipe (``life``): the sidecar writes its pid
+there and holds it open until it exits, so the vLLM process can tell it is
+alive, and kill it when it stalls, without being its parent.
 """
 
 from __future__ import annotations
@@ -22,12 +34,20 @@ from kvobs_otel.sidecar import wire
 
 logger = logging.getLogger("kvobs_otel")
 
-# Counters shared with the parent (a file both map): events handled so far
-# (the parent counts the rest as lost when this process dies), spans
-# delivered, observations dropped on this side. The parent logs them when
-# the sidecar ends, so a loss shows in vLLM's own log too.
-SHARED = struct.Struct("<QQQ")
+# Counters shared with the vLLM process (a file both map). Written here:
+# events handled so far (the vLLM process counts the rest as lost when this
+# process dies), spans delivered, observations dropped on this side. Written
+# there: events its buffer accepted (by the serving thread, per event) and,
+# of those, how many were drained before this sidecar started; so after a
+# kill the sidecar knows how many never reached it.
+SHARED = struct.Struct("<QQQQQ")
+OWN = struct.Struct("<QQQ")  # the first three, this process's
+ACCEPTED_AT, BASE_AT = 24, 32  # byte offsets of the two the vLLM process writes
 SIDECAR_TICK_S = 0.05  # lifecycle deadlines are checked this often
+# The final flush, once the vLLM process is gone or said goodbye. Nobody waits
+# for it (vLLM's shutdown does not), so it may take longer than vLLM's grace.
+FINAL_SPANS_S = 10.0
+FINAL_METRICS_S = 5.0
 
 
 class Sidecar:
@@ -37,6 +57,7 @@ class Sidecar:
         self.handled = 0
         self.observers: Any = None  # ObserverSet, from the hello
         self.interval = SIDECAR_TICK_S
+        self.goodbye = False  # the vLLM process closed (not killed)
 
     def run(self) -> int:
         reader = wire.FrameReader()
@@ -63,6 +84,14 @@ class Sidecar:
                            "process died while writing); that batch is lost")
         return self.finish()
 
+    def unsent(self) -> int:
+        """Events the vLLM process accepted that never reached this sidecar
+        (read after its end: nothing writes the counters any more)."""
+        _h, _e, _d, accepted, base = SHARED.unpack_from(self.shm, 0)
+        obs = self.observers
+        handled = self.handled - (obs.controls_seen if obs is not None else 0)
+        return max(0, accepted - base - handled)
+
     def dispatch(self, message: tuple[Any, ...]) -> bool:
         kind = message[0]
         if kind == "events":
@@ -85,6 +114,7 @@ class Sidecar:
             self.observers = ObserverSet(settings, pid=pid, clock_offset_ns=offset_ns,
                                          mode=EXPORT_SIDECAR)
         elif kind == "end":
+            self.goodbye = True
             return False
         return True
 
@@ -92,11 +122,24 @@ class Sidecar:
         from kvobs_otel.telemetry import export
 
         exported, dropped, _errors = export.STATS.snapshot()
-        SHARED.pack_into(self.shm, 0, self.handled, exported, sum(dropped.values()))
+        OWN.pack_into(self.shm, 0, self.handled, exported, sum(dropped.values()))
 
     def finish(self) -> int:
-        if self.observers is not None:
-            self.observers.close()
+        from kvobs_otel.lifecycle import records as rec
+
+        obs = self.observers
+        if obs is not None:
+            if self.goodbye:
+                obs.close(rec.END_PROCESS_EXIT, FINAL_SPANS_S, FINAL_METRICS_S)
+            else:
+                unsent = self.unsent()
+                logger.warning(
+                    "kvobs-otel sidecar: vLLM process %d ended without closing (killed); "
+                    "%d events it recorded never reached this sidecar; what it had open "
+                    "ends as abandoned (process_killed)", obs.pid, unsent)
+                obs.end_open(rec.END_PROCESS_KILLED)
+                obs.process_killed(unsent)
+                obs.close(rec.END_PROCESS_KILLED, FINAL_SPANS_S, FINAL_METRICS_S)
         self.publish()
         return 0
 
@@ -104,10 +147,19 @@ class Sidecar:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(format=f"%(levelname)s kvobs-otel sidecar[{os.getpid()}] %(message)s",
-                        level=logging.WARNING)
-    if len(argv) != 2:
-        print("usage: python -m kvobs_otel.sidecar RFD SHMFD (started by kvobs-otel, "
+    if len(argv) != 3:
+        print("usage: python -m kvobs_otel.sidecar RFD SHMFD LIFEFD (started by kvobs-otel, "
               "not by hand)", file=__import__("sys").stderr)
         return 2
-    return Sidecar(int(argv[0]), int(argv[1])).run()
+    rfd, shm_fd, life_fd = map(int, argv)
+    # Out of the vLLM process's tree: the intermediate exits at once and the
+    # sidecar is adopted (module docstring).
+    if os.fork():
+        os._exit(0)
+    try:
+        os.write(life_fd, struct.pack("<Q", os.getpid()))  # held open until exit
+    except OSError:
+        pass  # the vLLM process let go already: it is gone or closing
+    logging.basicConfig(format=f"%(levelname)s kvobs-otel sidecar[{os.getpid()}] %(message)s",
+                        level=logging.WARNING)
+    return Sidecar(rfd, shm_fd).run()

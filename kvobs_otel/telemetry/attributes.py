@@ -7,6 +7,9 @@ SPAN_JOB = "kv.job"
 SPAN_TRANSFER = "kv.transfer"
 SPAN_ADMISSION = "kv.admission"
 SPAN_FIRST_COMPUTE = "kv.first_compute"
+# A vLLM process that ended without a word to its sidecar (killed): its own
+# trace, one per observed role of that process.
+SPAN_PROCESS_END = "kv.process.end"
 
 REQUEST_ID = "kvobs.request.id"
 EPOCH = "kvobs.recovery.epoch"
@@ -52,6 +55,11 @@ INCOMPLETE_JOBS = "kvobs.incomplete.job_ids"
 JOBS = "kvobs.jobs"
 # Set only when spans could not be joined across processes (value "process").
 JOIN_SCOPE = "kvobs.join.scope"
+# Why an abandoned job, episode or request (or a cancelled transfer) ended:
+# its process stopped first (records.END_CAUSES).
+END_CAUSE = "kvobs.end.cause"
+# kv.process.end: events the process accepted that never reached its sidecar.
+UNSENT_EVENTS = "kvobs.process.unsent_events"
 LIST_DROPPED_SUFFIX = ".dropped"
 
 ERROR_TYPE = "error.type"  # standard name

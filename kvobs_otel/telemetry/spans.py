@@ -62,10 +62,13 @@ Ref = tuple[int, int]
 LinkT = tuple[int, int, bool, int, dict[str, Any]]
 
 
-# Outcomes that end a span with ERROR status (error.type named here).
+# Outcomes that end a span with ERROR status (error.type named here). An
+# abandoned job or episode is not one: its process stopped before it could
+# finish (kvobs.end.cause says how), which no rank or transfer did wrong.
 _JOB_ERROR = {rec.JOB_FAILED: "transfer_failed"}
+_JOB_OK = frozenset((rec.COMPLETE, rec.ABANDONED))
 _EPISODE_ERRORS = frozenset((rec.RECEIPT_INCOMPLETE, rec.FIRST_COMPUTE_INCOMPLETE,
-                             rec.ABANDONED, rec.RESTORE_FAILED))
+                             rec.RESTORE_FAILED))
 
 
 def _random_id(bits: int) -> int:
@@ -167,6 +170,8 @@ class SpanBuilder:
             self._first_compute(r)
         elif isinstance(r, rec.RequestRecord):
             self._request(r)
+        elif isinstance(r, rec.ProcessEndRecord):
+            self._process_end(r)
 
     def _job(self, r: rec.JobRecord) -> None:
         root = self._trace_for(r.sched_gen, r.req_id, r.episode_epoch)
@@ -198,10 +203,11 @@ class SpanBuilder:
         if r.episode_role:
             attrs[A.JOB_ROLE] = r.episode_role
             attrs[A.EPOCH] = r.episode_epoch
+        if r.end_cause:
+            attrs[A.END_CAUSE] = r.end_cause
         self._span(A.SPAN_JOB, root, r.start_ns, r.end_ns, attrs,
                    span_id=identity.job_span_id(r.sched_gen, r.job_id),
-                   error=None if r.outcome == rec.COMPLETE else _JOB_ERROR.get(r.outcome,
-                                                                                r.outcome),
+                   error=None if r.outcome in _JOB_OK else _JOB_ERROR.get(r.outcome, r.outcome),
                    events=events)
 
     def _transfer(self, r: rec.TransferRecord) -> None:
@@ -225,8 +231,11 @@ class SpanBuilder:
             attrs[A.EPOCH] = r.episode_epoch
         if r.join_scope != rec.JOIN_CLUSTER:
             attrs[A.JOIN_SCOPE] = r.join_scope
+        if r.end_cause:  # cancelled because its process stopped: no fault
+            attrs[A.END_CAUSE] = r.end_cause
+        ok = r.outcome == rec.TRANSFER_OK or r.end_cause is not None
         self._span(A.SPAN_TRANSFER, parent, r.start_ns, r.end_ns, attrs,
-                   error=None if r.outcome == rec.TRANSFER_OK else f"transfer_{r.outcome}")
+                   error=None if ok else f"transfer_{r.outcome}")
 
     def _first_compute(self, r: rec.FirstComputeRecord) -> None:
         attrs: dict[str, Any] = {
@@ -266,6 +275,8 @@ class SpanBuilder:
         for source, n in r.tokens():
             if n is not None:
                 attrs[A.TOKENS[source]] = n
+        if r.end_cause:
+            attrs[A.END_CAUSE] = r.end_cause
         failed = r.outcome in _EPISODE_ERRORS
         links = list(self._link(r.traceparent) or [])
         rtid, rsid = identity.request_ids(r.sched_gen, r.req_id)
@@ -288,7 +299,18 @@ class SpanBuilder:
         tid, sid = identity.request_ids(r.sched_gen, r.req_id)
         if not identity.traffic_sampled(tid, self.ratio):
             return
-        self._span(A.SPAN_REQUEST, None, r.start_ns, r.end_ns, {
-            A.REQUEST_ID: r.req_id, A.SCHED_GEN: r.sched_gen, A.OUTCOME: r.outcome,
-            A.JOBS: r.jobs}, trace_id=tid, span_id=sid, links=self._link(r.traceparent),
-            error="abandoned" if r.outcome == rec.ABANDONED else None)
+        attrs: dict[str, Any] = {A.REQUEST_ID: r.req_id, A.SCHED_GEN: r.sched_gen,
+                                 A.OUTCOME: r.outcome, A.JOBS: r.jobs}
+        if r.end_cause:
+            attrs[A.END_CAUSE] = r.end_cause
+        self._span(A.SPAN_REQUEST, None, r.start_ns, r.end_ns, attrs, trace_id=tid,
+                   span_id=sid, links=self._link(r.traceparent))
+
+    def _process_end(self, r: rec.ProcessEndRecord) -> None:
+        """From the process's last event its sidecar got to the end of its
+        pipe: what it recorded in that window may never have left it."""
+        attrs: dict[str, Any] = {A.END_CAUSE: r.cause, A.SCHED_GEN: r.sched_gen,
+                                 A.UNSENT_EVENTS: r.unsent_events}
+        if r.rank is not None:
+            attrs[A.RANK] = r.rank
+        self._span(A.SPAN_PROCESS_END, None, r.last_event_ns or r.end_ns, r.end_ns, attrs)

@@ -162,7 +162,7 @@ class _EpisodeTable(_Base):
             incomplete_jobs=ep.incomplete, first_compute_observed=False,
             join_scope=self.join_scope))
 
-    def _end(self, key: tuple[str, str], t: int, outcome: str) -> None:
+    def _end(self, key: tuple[str, str], t: int, outcome: str, cause: str | None = None) -> None:
         ep = self.episodes.pop(key)
         self.sink.emit(rec.EpisodeRecord(
             sched_gen=key[0], req_id=key[1], epoch=ep.epoch, start_ns=ep.start_ns, end_ns=t,
@@ -170,11 +170,11 @@ class _EpisodeTable(_Base):
             restore_jobs=sorted(ep.receipts), events=ep.events,
             expected_ranks=len(self.known_ranks.get(key[0], ())) or 1,
             incomplete_jobs=ep.incomplete, first_compute_observed=False,
-            join_scope=self.join_scope))
+            join_scope=self.join_scope, end_cause=cause))
 
-    def shutdown(self, t: int) -> None:
+    def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN) -> None:
         for key in list(self.episodes):
-            self._end(key, t, rec.ABANDONED)
+            self._end(key, t, rec.ABANDONED, cause)
 
 
 # ---------------------------------------------------------------- contract v2
@@ -282,7 +282,8 @@ class CorrelatedWorker(_Base):
             size_bytes=None, device_time_s=None, rank=self.rank, worker_gen=wgen,
             outcome=outcome, start_ns=start, end_ns=t, episode_epoch=epoch))
 
-    def shutdown(self, t: int, outcome: str = rec.TRANSFER_CANCELLED) -> None:
+    def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN,
+                 outcome: str = rec.TRANSFER_CANCELLED) -> None:
         for gen, job in list(self.inflight):
             self._transfer(gen, job, t, outcome)
 
@@ -345,11 +346,11 @@ class ProcessScheduler(_EpisodeTable):
         else:
             self.counts["worker_record_at_scheduler"] += 1
 
-    def shutdown(self, t: int) -> None:
+    def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN) -> None:
         for job, (t_r, ranks) in list(self.pending.items()):
             self._job(self.gen, job, None, 0, list(ranks), t_r)
         self.pending.clear()
-        super().shutdown(t)
+        super().shutdown(t, cause)
 
 
 class ProcessWorker(_Base):
@@ -405,7 +406,8 @@ class ProcessWorker(_Base):
             size_bytes=size, device_time_s=duration_s, rank=self.rank, worker_gen=self.gen,
             outcome=outcome, start_ns=start, end_ns=t, join_scope=rec.JOIN_PROCESS))
 
-    def shutdown(self, t: int, outcome: str = rec.TRANSFER_CANCELLED) -> None:
+    def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN,
+                 outcome: str = rec.TRANSFER_CANCELLED) -> None:
         for job in list(self.inflight):
             self._transfer(job, t, outcome)
 
@@ -494,10 +496,11 @@ class PluginTransfers(_EpisodeTable):
             outcome=outcome, start_ns=start, end_ns=t, episode_epoch=epoch,
             join_scope=rec.JOIN_PROCESS))
 
-    def shutdown(self, t: int, outcome: str = rec.TRANSFER_CANCELLED) -> None:
+    def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN,
+                 outcome: str = rec.TRANSFER_CANCELLED) -> None:
         for tid in list(self.inflight):
             self._transfer(tid, t, outcome)
-        super().shutdown(t)
+        super().shutdown(t, cause)
 
 
 def lifecycle_for(correlated: bool, role: str, rank: int | None, gen: str

@@ -140,6 +140,9 @@ class ObserverSet:
         self._logged: set[str] = set()
         self.controls_seen = 0
         self.last_event_ns = 0  # the newest event handled (its seam's t_ns)
+        if mode != "in-process":
+            # From 0, so that an alert's increase() sees the first loss.
+            self._drops["process_killed"] = 0
 
     # -- counters ----------------------------------------------------------------
     def count_error(self, stage: str) -> None:

@@ -283,3 +283,72 @@ def test_exit_status_1_when_a_failed_restore_is_inconsistent(tmp_path, capsys):
     path.write_text(_otlp_json(episode("restore_failed", "b", admissions=1)))
     assert cli.main(["check", str(path)]) == 1
     assert "admission present (1) after the request failed" in capsys.readouterr().out
+
+
+# -- episodes cut short by a process stop (issue 31) ------------------------------
+
+
+def process_end(rank: int | None, last_event_ns: int, end_ns: int) -> FileSpan:
+    """The span a killed vLLM process's sidecar sends: from its last event
+    that left it to its pipe's end (its own trace)."""
+    attrs = {"kvobs.end.cause": "process_killed", "kvobs.scheduler.generation": "g" * 32,
+             "kvobs.process.unsent_events": 3}
+    if rank is not None:
+        attrs["kvobs.rank"] = rank
+    return _span("kv.process.end", f"{next(_ids):032x}", "", attrs, start=last_event_ns,
+                 end=end_ns, rank=rank)
+
+
+def test_spans_a_killed_rank_never_handed_over_cut_the_episode_short():
+    spans = episode("recovered", first_compute_ranks=(0,))
+    root = spans[0]
+    # Without a kill: rank 1 never answered.
+    ep = judged(spans)
+    assert ep.problems == ["first compute missing on ranks [1]"] and not ep.cut_short
+    # Rank 1's process was killed, its last event out before the episode ended.
+    ep = judged(spans + [process_end(1, root.end_ns - 30_000_000, root.end_ns + 5)])
+    assert ep.complete and ep.cut_short == [
+        "first compute on rank 1: its process was killed before handing it over "
+        "(kv.process.end)"]
+    # Killed, but it handed over events after the episode ended: its missing
+    # first compute is no kill's doing.
+    ep = judged(spans + [process_end(1, root.end_ns + 1_000_000, root.end_ns + 2_000_000)])
+    assert ep.problems == ["first compute missing on ranks [1]"]
+    # Another rank's kill explains nothing here.
+    ep = judged(spans + [process_end(0, root.start_ns, root.end_ns)])
+    assert ep.problems == ["first compute missing on ranks [1]"]
+
+
+def test_an_abandoned_episode_is_cut_short_not_incomplete(tmp_path, capsys):
+    """vLLM stopped while the restore was out: the episode and its job end as
+    abandoned with their cause, the restore transfer of rank 1 never came."""
+    spans = episode("finished_before_resume", "a", transfer_outcomes={0: "ok", 1: None})
+    for s in spans:
+        load_job = s.name == "kv.job" and s.attributes["kvobs.job.kind"] == "load"
+        if s.name == "kv.recovery" or load_job:
+            s.attributes["kvobs.outcome"] = "abandoned"
+            s.attributes["kvobs.end.cause"] = "process_killed"
+        if load_job:
+            s.attributes["kvobs.receipt.ranks"] = [0]
+    ep = judged(spans)
+    assert ep.complete, ep.problems
+    assert ep.cut_short == ["abandoned: process_killed"]
+    # The same trace without the cut: the abandoned outcome is what excuses it.
+    for s in spans:
+        if s.name == "kv.recovery":
+            s.attributes["kvobs.outcome"] = "receipt_incomplete"
+    assert not judged(spans).complete
+
+    for s in spans:
+        if s.name == "kv.recovery":
+            s.attributes["kvobs.outcome"] = "abandoned"
+    path = tmp_path / "cut.otlp.jsonl"
+    path.write_text(_otlp_json(spans))
+    assert cli.main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 complete, 0 incomplete" in out
+    assert "1 cut short when a vLLM process stopped" in out
+    assert cli.main(["check", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cut_short"] == 1
+    assert data["cut_short_episodes"][0]["why"] == ["abandoned: process_killed"]

@@ -21,6 +21,7 @@ alive, and kill it when it stalls, without being its parent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -156,10 +157,9 @@ def main(argv: list[str]) -> int:
     # sidecar is adopted (module docstring).
     if os.fork():
         os._exit(0)
-    try:
-        os.write(life_fd, struct.pack("<Q", os.getpid()))  # held open until exit
-    except OSError:
-        pass  # the vLLM process let go already: it is gone or closing
+    # Held open until exit. (OSError: the vLLM process let go already.)
+    with contextlib.suppress(OSError):
+        os.write(life_fd, struct.pack("<Q", os.getpid()))
     logging.basicConfig(format=f"%(levelname)s kvobs-otel sidecar[{os.getpid()}] %(message)s",
                         level=logging.WARNING)
     return Sidecar(rfd, shm_fd).run()

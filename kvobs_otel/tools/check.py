@@ -6,6 +6,11 @@ is consistent is complete: the check judges the evidence, not the outcome
 are counted on their own in the summary, so a failure is visible here too
 without turning the exit status to 1.
 
+An episode cut short because a vLLM process stopped (``abandoned``, or
+spans a killed process never handed over; ``analysis/episodes.py``) is not
+incomplete either: stopping or restarting vLLM is no receipt failure. Such
+episodes are counted and listed on their own (``cut_short``).
+
 Clock skew between processes (a rank on a host whose clock is off) is
 reported as a warning and leaves the exit status alone: episodes join by
 ids, so the evidence is whole; only the timeline is shifted
@@ -28,6 +33,7 @@ def check_spans(spans: list[FileSpan], clock_tolerance_s: float = DEFAULT_TOLERA
     skew = [s.to_dict(clock_tolerance_s) for s in clock_skew(episodes)]
     incomplete = [e for e in episodes if not e.complete]
     failed = [e for e in episodes if e.outcome in FAILED_RESTORE]
+    cut = [e for e in episodes if e.cut_short]
     summary = {
         "spans": len(spans),
         "episodes": len(episodes),
@@ -43,6 +49,12 @@ def check_spans(spans: list[FileSpan], clock_tolerance_s: float = DEFAULT_TOLERA
             "request_id": e.request_id, "epoch": e.epoch, "trace_id": e.trace_id,
             "outcome": e.outcome, "ranks": e.expected_ranks, "problems": e.problems,
         } for e in incomplete],
+        # Cut short by a process stop (complete or not): why, per episode.
+        "cut_short": len(cut),
+        "cut_short_episodes": [{
+            "request_id": e.request_id, "epoch": e.epoch, "trace_id": e.trace_id,
+            "outcome": e.outcome, "why": e.cut_short, "complete": e.complete,
+        } for e in cut],
         "failed_restore_episodes": [{
             "request_id": e.request_id, "epoch": e.epoch, "trace_id": e.trace_id,
             "outcome": e.outcome, "failed_job_ids": e.failed_restore_jobs,
@@ -62,11 +74,14 @@ def format_table(episodes: list[Episode], show_all: bool = False,
     """The episodes (incomplete ones unless ``show_all``), the counts, and the
     clock-skew warnings of ``summary`` (``check_spans``) when given."""
     rows = [e for e in episodes if show_all or not e.complete]
+    cut = sum(bool(e.cut_short) for e in episodes)
     lines = []
     if rows:
         header = ("REQUEST", "EPOCH", "OUTCOME", "RANKS", "LATENCY_MS", "PROBLEMS")
         table = [header] + [(e.request_id, str(e.epoch), e.outcome, str(e.expected_ranks),
-                             f"{e.latency_ms:.1f}", "; ".join(e.problems) or "-")
+                             f"{e.latency_ms:.1f}",
+                             "; ".join(e.problems + [f"cut short: {c}" for c in e.cut_short])
+                             or "-")
                             for e in rows]
         widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
         for r in table:
@@ -77,6 +92,9 @@ def format_table(episodes: list[Episode], show_all: bool = False,
                        for outcome in FAILED_RESTORE)
     lines.append(f"{len(episodes)} recovery episodes: {done} complete, "
                  f"{len(episodes) - done} incomplete; {failed}")
+    if cut:
+        lines.append(f"{cut} cut short when a vLLM process stopped (not failures: "
+                     "--all or --json lists them)")
     unjoined = sum(e.join_scope != "cluster" for e in episodes)
     if unjoined:
         lines.append(f"{unjoined} judged on scheduler evidence only (ranks not joinable: "

@@ -116,7 +116,8 @@ def _import_stream(stream: Stream, make_providers: Callable[[dict], Providers],
     if stream.role == "scheduler":
         lc.shutdown(last)
     else:
-        lc.shutdown(last, outcome=rec.TRANSFER_UNFINISHED)  # the evidence ends; the transfer did not
+        # the evidence ends; the transfer did not
+        lc.shutdown(last, outcome=rec.TRANSFER_UNFINISHED)
     result.anomalies.update(lc.anomalies())
     result.spans += spans.spans_built
     return providers

@@ -64,10 +64,34 @@ def jaeger_url(source: str) -> str:
     return source
 
 
+def process_end_url(url: str) -> str | None:
+    """The same Jaeger query for the ``kv.process.end`` spans (each in its own
+    trace: a query for recovery traces never returns them); None when the
+    query names no service or asks for them already."""
+    u = urllib.parse.urlsplit(url)
+    q = dict(urllib.parse.parse_qsl(u.query))
+    if "service" not in q or q.get("operation") == "kv.process.end":
+        return None
+    q = {k: v for k, v in q.items() if k in ("service", "lookback", "start", "end", "limit")}
+    q["operation"] = "kv.process.end"
+    return urllib.parse.urlunsplit((u.scheme, u.netloc, u.path, urllib.parse.urlencode(q), ""))
+
+
 def load_spans(source: str, timeout: float = 30.0) -> list[FileSpan]:
+    """The spans of an OTLP JSON file, or of a Jaeger query together with the
+    ``kv.process.end`` spans of the same service (a killed process's)."""
     if not source.startswith(("http://", "https://")):
         return read_spans(source)
     url = jaeger_url(source)
+    spans = _jaeger_query(url, timeout)
+    ends = process_end_url(url)
+    if ends is not None:
+        seen = {(s.trace_id, s.span_id) for s in spans}
+        spans += [s for s in _jaeger_query(ends, timeout) if (s.trace_id, s.span_id) not in seen]
+    return spans
+
+
+def _jaeger_query(url: str, timeout: float) -> list[FileSpan]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             doc = json.loads(r.read())

@@ -11,6 +11,13 @@ transfers may have failed, and at least one did, on a rank the episode names
 (``kvobs.restore.failed_ranks``). ``restore_failed`` (vLLM ended the request
 with an error) has no admission; ``recomputed`` (vLLM computed the request
 again from scratch) has one, of compute kind prefill.
+
+An episode cut short by a process stop is not incomplete: ``abandoned``
+(vLLM stopped the scheduler first; ``kvobs.end.cause`` says how) is judged
+on what finished before, and spans missing on a rank whose process was
+killed before it handed them over (its ``kv.process.end`` span, whose start
+is the last event that left it, precedes the episode's end) are that kill's
+doing, not a rank that failed to answer. Both are listed in ``cut_short``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from kvobs_otel.tools.otlp_file import FileSpan
 # which is no fault of the chain.
 ENDED_OK = {"recovered", "finished_before_resume", "aborted_before_resume", "preempted_again",
             "restore_failed", "recomputed"}
+# Ended because the scheduler's process stopped first (kvobs.end.cause).
+CUT_SHORT = "abandoned"
+PROCESS_END = "kv.process.end"
 # A restore failed on some rank (vLLM 0.34+): the request ended with an error
 # (kv_load_failure_policy "fail") or was computed again from scratch ("recompute").
 FAILED_RESTORE = ("restore_failed", "recomputed")
@@ -46,6 +56,8 @@ class Episode:
     root: FileSpan
     spans: list[FileSpan]
     problems: list[str] = field(default_factory=list)
+    # Why it is not whole, where a process stop explains it (no problem).
+    cut_short: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -100,10 +112,44 @@ def _name_unreceipted(ep: Episode, transfers: list[FileSpan], ranks: set[int]) -
                            f"{sorted(expected - done)}")
 
 
-def _check(ep: Episode) -> None:
+# (scheduler generation, rank or None for the scheduler) -> the time of the
+# last event that left that killed process (kv.process.end spans)
+Killed = dict[tuple[str, int | None], int]
+
+
+def _killed(spans: Iterable[FileSpan]) -> Killed:
+    out: Killed = {}
+    for s in spans:
+        if s.name == PROCESS_END:
+            gen = str(s.attributes.get("kvobs.scheduler.generation", ""))
+            rank = s.attributes.get("kvobs.rank")
+            key = (gen, int(rank) if rank is not None else None)
+            out[key] = min(out.get(key, s.start_ns), s.start_ns)
+    return out
+
+
+def _missing(ep: Episode, what: str, missing: Iterable[int], killed: Killed) -> list[int]:
+    """The ranks of ``missing`` no kill explains; notes the others."""
+    left = []
+    for r in sorted(missing):
+        last = killed.get((ep.sched_gen, r))
+        if last is not None and last <= ep.end_ns:
+            ep.cut_short.append(f"{what} on rank {r}: its process was killed before "
+                                "handing it over (kv.process.end)")
+        else:
+            left.append(r)
+    return left
+
+
+def _check(ep: Episode, killed: Killed | None = None) -> None:
     p = ep.problems
+    killed = killed or {}
     ranks = set(range(ep.expected_ranks))
-    if ep.outcome not in ENDED_OK:
+    cut = ep.outcome == CUT_SHORT
+    if cut:
+        cause = ep.root.attributes.get("kvobs.end.cause", "unknown")
+        ep.cut_short.append(f"abandoned: {cause}")
+    elif ep.outcome not in ENDED_OK:
         p.append(f"outcome {ep.outcome}")
     failed_restore = ep.outcome in FAILED_RESTORE
     # A failed restore's transfers may have failed; any other episode's
@@ -116,6 +162,8 @@ def _check(ep: Episode) -> None:
     transfers = ep.named("kv.transfer")
     for job_id in ep.restore_jobs:
         job = jobs.get(job_id)
+        if cut and (job is None or job.attributes.get("kvobs.outcome") == CUT_SHORT):
+            continue  # stopped with the process: nothing more to expect of it
         if job is None:
             p.append(f"restore job {job_id}: no kv.job span")
         else:
@@ -135,9 +183,10 @@ def _check(ep: Episode) -> None:
         got = {_rank(s) for s in transfers
                if int(s.attributes.get("kvobs.job.id", -1)) == job_id
                and s.attributes.get("kvobs.outcome") in transfer_ok}
-        if got != ranks:
-            p.append(f"restore job {job_id}: restore missing on ranks {sorted(ranks - got)}")
-    if ranks_joined and ep.outcome not in ENDED_OK:
+        absent = _missing(ep, f"restore job {job_id}: restore", ranks - got, killed)
+        if absent:
+            p.append(f"restore job {job_id}: restore missing on ranks {absent}")
+    if ranks_joined and ep.outcome not in ENDED_OK and not cut:
         _name_unreceipted(ep, transfers, ranks)
     if failed_restore:
         _check_failure(ep, transfers, ranks_joined)
@@ -161,8 +210,9 @@ def _check(ep: Episode) -> None:
     if not ranks_joined:
         return
     fc = Counter(_rank(s) for s in ep.named("kv.first_compute"))
-    if set(fc) != ranks:
-        p.append(f"first compute missing on ranks {sorted(ranks - set(fc))}")
+    absent = _missing(ep, "first compute", ranks - set(fc), killed)
+    if absent:
+        p.append(f"first compute missing on ranks {absent}")
     dup = sorted(r for r, n in fc.items() if n > 1)
     if dup:
         p.append(f"first compute duplicated on ranks {dup}")
@@ -215,8 +265,9 @@ def rebuild(spans: list[FileSpan]) -> list[Episode]:
         traces_per_key[(e.sched_gen, e.request_id, e.epoch)].add(e.trace_id)
         for job in e.restore_jobs:
             episodes_per_job[(e.sched_gen, job)].add((e.request_id, e.epoch))
+    killed = _killed(spans)
     for e in episodes:
-        _check(e)
+        _check(e, killed)
         if roots_per_trace[e.trace_id] > 1:
             e.problems.append(f"trace id shared by {roots_per_trace[e.trace_id]} episodes")
         if len(traces_per_key[(e.sched_gen, e.request_id, e.epoch)]) > 1:

@@ -8,8 +8,11 @@ file exporter and ``otlpjsonfile`` receiver, which Jaeger's UI can open too.
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import json
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,11 +44,22 @@ def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
 
 
 class OtlpJsonFileSpanExporter(SpanExporter):
-    """Appends to ``path``; several processes may share one file."""
+    """Appends to ``path``; several processes may share one file.
+
+    Holds a shared ``flock`` on it while it may still write (until shutdown
+    or exit), so a reader can wait for every writer to be done
+    (``wait_for_writers``): an export sidecar finishes after its vLLM
+    process is gone."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.exported = 0
+        self._lock_fd = -1
+        try:
+            self._lock_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        except OSError:
+            pass  # no lock: a reader just cannot wait for this writer
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
@@ -62,7 +76,32 @@ class OtlpJsonFileSpanExporter(SpanExporter):
             return SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
-        pass
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # releases the lock
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+def wait_for_writers(path: str, timeout_s: float) -> bool:
+    """Wait until no exporter holds ``path`` open for writing (each holds a
+    shared lock while it may write); False when some still did after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True  # no file: nothing writes it
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+    finally:
+        os.close(fd)

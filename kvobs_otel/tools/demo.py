@@ -28,6 +28,8 @@ from kvobs_otel.tools.analysis.stats import percentile
 from kvobs_otel.tools.otlp_file import FileSpan, read_spans
 
 MODES = ("auto", "engine", "harness")
+# A sidecar's own final flush is bounded by 15 s (sidecar/main.py); margin.
+WRITERS_TIMEOUT_S = 30.0
 DEFAULT_REQUESTS = {"engine": 16, "harness": 12}
 
 
@@ -113,6 +115,15 @@ def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
     with open(os.path.abspath(opts.out), "w", encoding="utf-8"):
         pass  # one run, one file
     summary = (_run_engine if mode == "engine" else _run_harness)(opts, stream)
+    # The export sidecars finish after their vLLM processes (a killed one's
+    # too): wait for every writer of the file before reading it.
+    from kvobs_otel.telemetry.otlp_json import wait_for_writers
+
+    if not wait_for_writers(os.path.abspath(opts.out), WRITERS_TIMEOUT_S):
+        stream.write(f"kvobs-otel demo: some export sidecar still writes {opts.out} after "
+                     f"{WRITERS_TIMEOUT_S:.0f} s; the summary may miss its last spans\n")
+    if "vllm_log" in summary:  # what they reported at their end, in vLLM's log
+        summary["dropped"] = _dropped_from_log(summary.pop("vllm_log"))
     spans = read_spans(os.path.abspath(opts.out))
     summary.update(summarize(spans), mode=mode, file=os.path.abspath(opts.out))
     return summary
@@ -120,8 +131,8 @@ def run_demo(opts: DemoOptions, stream: TextIO = sys.stderr) -> dict:
 
 def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
     """A real vLLM engine on CPU (API server, EngineCore, ``ranks`` workers)
-    under concurrent streamed completions; stopped by SIGTERM, which flushes
-    every process's spans into ``opts.out``."""
+    under concurrent streamed completions; stopped by SIGTERM, after which
+    every process's export sidecar flushes its spans into ``opts.out``."""
     from kvobs_otel.tools.harness.client import run_load
     from kvobs_otel.tools.harness.model_files import cache_dir, ensure_model
     from kvobs_otel.tools.harness.server import (
@@ -177,7 +188,8 @@ def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
         # on it kept the engine stepping)
         preemptions = int(server.metric("vllm:num_preemptions_total"))
     finally:
-        stream.write("  stopping vLLM (SIGTERM: every process flushes its spans) ...")
+        stream.write("  stopping vLLM (SIGTERM; each process's export sidecar then flushes "
+                     "its spans) ...")
         stream.flush()
         server.stop()
         stream.write(" done\n")
@@ -185,7 +197,7 @@ def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
         "requests": {"ok": len(result.ok), "failed": len(result.errors)},
         "output_tokens_per_s": round(result.output_tokens_per_s, 1),
         "vllm_preemptions": preemptions,
-        "dropped": _dropped_from_log(log),
+        "vllm_log": log,
         "wall_s": round(time.monotonic() - t0, 1),
     }
 

@@ -31,6 +31,12 @@ for a second after every step, as vLLM's workers do) and this client share
 the machine, and streamed tokens reach the client in bursts: client TPOT
 there measures the API server's wait for a core.
 
+How far behind the export runs under this load (issue 31): per span of the
+enabled variants, the time from the seam that ended it to its arrival at the
+sink (benchmarks/otlp_sink.py: the drain interval, the pipe, the sidecar's
+work and its batching delay, the OTLP/HTTP export); per round the p50 and
+p99 of the spans that arrived in it, summarised over rounds.
+
 A tiny model on CPU has very short steps (a few ms), so the fixed cost per
 step of observing is a larger share than with a real model on a GPU: these
 ratios are a pessimistic bound.
@@ -131,6 +137,15 @@ def _engine_counts(server: Any) -> dict[str, float]:
     }
 
 
+def _lag_round(got: dict[str, list[float]], lags: list[float]) -> None:
+    from kvobs_otel.tools.analysis.stats import percentile
+
+    if lags:
+        got["p50"].append(percentile(lags, 50) or 0.0)
+        got["p99"].append(percentile(lags, 99) or 0.0)
+        got["all"].extend(lags)
+
+
 def run(quick: bool) -> Result:
     import tempfile
 
@@ -143,6 +158,8 @@ def run(quick: bool) -> Result:
     sink = OtlpSink()
     log_dir = tempfile.mkdtemp(prefix="kvobs-b5-")
     samples: dict[str, dict[str, list[float]]] = {v: {k: [] for k in SAMPLES} for v in VARIANTS}
+    lag: dict[str, dict[str, list[float]]] = {v: {"p50": [], "p99": [], "all": []}
+                                              for v in ("on", "on_in_process")}
     failed = 0
     round_no = 0
     try:
@@ -170,6 +187,8 @@ def run(quick: bool) -> Result:
                             s[k].append((after[f"{k}_sum"] - before[f"{k}_sum"]) / n
                                         if n else float("nan"))
                         s["preemptions"].append(after["preemptions"] - before["preemptions"])
+                    for v, got in lag.items():
+                        _lag_round(got, sink.take_lags(v))
                     progress(f"B5: block {block + 1}/{plan['blocks']}, round {round_no}: "
                              + ", ".join(f"{v} {samples[v]['tok_s'][-1]:.0f} tok/s"
                                          for v in VARIANTS))
@@ -185,6 +204,8 @@ def run(quick: bool) -> Result:
 
     goals = [
         Goal("on/off output tokens/s", ratio("tok_s", "on", "off"), ">=", 0.98),
+        Goal("seam -> span exported (on, sidecar), p99 per round", Spread.of(lag["on"]["p99"]),
+             "<=", 1.0, unit=" s", fmt=".2f"),
         Goal("on/off TPOT", ratio("tpot", "on", "off"), "<=", 1.02),
         Goal("off/stock output tokens/s", ratio("tok_s", "off", "stock"), ">=", 0.99),
         Goal("off/stock TPOT", ratio("tpot", "off", "stock"), "<=", 1.01),
@@ -199,6 +220,10 @@ def run(quick: bool) -> Result:
         f"{ratio('tok_s', 'on', 'on_in_process').text()}; TPOT "
         f"{ratio('tpot', 'on', 'on_in_process').text()}",
         f"off/stock TTFT: {ratio('ttft', 'off', 'stock').text()}",
+        *(f"seam -> span exported, {v}: p50 per round {Spread.of(got['p50']).text('.2f', ' s')};"
+          f" p99 per round {Spread.of(got['p99']).text('.2f', ' s')}; max "
+          f"{max(got['all'], default=float('nan')):.2f} s over {len(got['all'])} spans"
+          for v, got in lag.items()),
         f"client-side medians, on/off: TTFT {ratio('client_ttft', 'on', 'off').text()}; "
         f"TPOT {ratio('client_tpot', 'on', 'off').text()}",
         *(f"{v}: {Spread.of(samples[v]['tok_s']).text('.0f', ' tok/s')}; TPOT "
@@ -219,5 +244,6 @@ def run(quick: bool) -> Result:
         progress("B5: --quick: one round, goals not meaningful")
     return Result(NAME, TITLE, goals, info,
                   data={"plan": plan, "samples": samples, "exported": exported,
+                        "lag": {v: {k: got[k] for k in ("p50", "p99")} for v, got in lag.items()},
                         "logs": log_dir},
                   seconds=time.monotonic() - t0)

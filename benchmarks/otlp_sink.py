@@ -4,6 +4,11 @@ The enabled variant of B2 then runs kvobs-otel exactly as configured by a
 user (its own export stage, encoder and the SDK's OTLP/HTTP exporters, from
 the standard OTEL_* variables), minus a real Collector: the cost of sending
 is in the measurement, and this sink proves spans really left the process.
+
+It also measures how far behind the export runs: per span, the time from
+its end (the seam that closed it: a transfer's result, a job's last receipt,
+an episode's last first compute) to its arrival here, on the same host's
+wall clock (``lags``).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import gzip
 import sys
 import threading
+import time
 import zlib
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +30,7 @@ class OtlpSink:
     def __init__(self) -> None:
         self.spans: dict[str, Counter[str]] = {}
         self.requests: Counter[str] = Counter()
+        self.lags: dict[str, list[float]] = {}  # seconds, per sender
         self._lock = threading.Lock()
         sink = self
 
@@ -65,7 +72,9 @@ class OtlpSink:
         return f"http://127.0.0.1:{self._server.server_address[1]}/{sender}"
 
     def record(self, path: str, body: bytes) -> None:
+        now = time.time_ns()
         names: list[str] = []
+        lags: list[float] = []
         sender = path.strip("/").split("/", 1)[0]
         if path.endswith("/v1/traces"):
             from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -73,11 +82,18 @@ class OtlpSink:
             )
 
             req = ExportTraceServiceRequest.FromString(body)
-            names = [s.name for rs in req.resource_spans for ss in rs.scope_spans
-                     for s in ss.spans]
+            spans = [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+            names = [s.name for s in spans]
+            lags = [(now - s.end_time_unix_nano) * 1e-9 for s in spans]
         with self._lock:
             self.requests[path] += 1
             self.spans.setdefault(sender, Counter()).update(names)
+            self.lags.setdefault(sender, []).extend(lags)
+
+    def take_lags(self, sender: str) -> list[float]:
+        """The lags measured for ``sender`` since the last call."""
+        with self._lock:
+            return self.lags.pop(sender, [])
 
     def counts(self) -> dict[str, Any]:
         with self._lock:

@@ -6,6 +6,8 @@ end-to-end behaviour on real vLLM is in test_vllm_*.py.
 
 from __future__ import annotations
 
+import time
+
 from kvobs_otel.lifecycle import events as ev
 from kvobs_otel.lifecycle import records as rec
 from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
@@ -230,46 +232,44 @@ def test_shutdown_abandons_open_jobs_and_episodes():
     assert [e.outcome for e in sink.of(rec.EpisodeRecord)] == [rec.ABANDONED]
     (req,) = sink.of(rec.RequestRecord)
     assert req.req_id == "r" and req.outcome == rec.ABANDONED
+    # Each says why: vLLM shut the connector down.
+    assert {r.end_cause for r in sink.records} == {rec.END_CONNECTOR_SHUTDOWN}
 
 
-def test_worker_transfer_from_submit_to_result_and_cancel_at_shutdown():
-    sink = ListSink()
-    w = WorkerLifecycle(rank=1, worker_gen="w1", sink=sink)
-    w.handle((w, ev.W_STEP, 0, "g", ((5, "r", 3),), ((6, "r", 2),), (), {"r": 2}))
-    w.handle((w, ev.W_SUBMIT, 10, 5, True, True, True))
-    w.handle((w, ev.W_SUBMIT, 11, 6, False, True, False))
-    w.handle((w, ev.W_RESULT, 30, 5, True, 4096, 0.001))
-    w.handle((w, ev.W_SHUTDOWN, 40))
-    t5, t6 = sink.of(rec.TransferRecord)
-    assert (t5.direction, t5.episode_epoch, t5.size_bytes, t5.start_ns, t5.end_ns) == (
-        "h2d", 2, 4096, 10, 30)
-    assert t5.expedited and t5.rank == 1 and t5.blocks == 3
-    assert (t6.direction, t6.outcome, t6.episode_epoch) == ("d2h", rec.TRANSFER_CANCELLED, 0)
+def test_a_process_end_abandons_with_its_cause_and_nothing_twice():
+    """What a stop cuts short ends once, saying how the process stopped (the
+    export side calls shutdown(t, cause) at its close); a later shutdown
+    finds nothing open."""
+    lc, sink = sched(world=2)
+    step(lc, 0, stores=[(1, "r", 1)], preempted=[("q", 1)])
+    lc.shutdown(50, rec.END_PROCESS_KILLED)
+    lc.handle((lc, ev.S_SHUTDOWN, 60))
+    assert len(sink.records) == 3
+    assert {r.end_cause for r in sink.records} == {rec.END_PROCESS_KILLED}
+    w_sink = ListSink()
+    w = WorkerLifecycle(rank=1, worker_gen="w1", sink=w_sink)
+    w.handle((w, ev.W_STEP, 0, "g", ((5, "r", 3),), (), (), {"r": 2}))
+    w.handle((w, ev.W_SUBMIT, 10, 5, True, True, False))
+    w.shutdown(20, rec.END_PROCESS_EXIT)
+    (t,) = w_sink.of(rec.TransferRecord)
+    assert (t.outcome, t.end_cause) == (rec.TRANSFER_CANCELLED, rec.END_PROCESS_EXIT)
 
 
-def test_worker_flushed_store_of_preempted_request_joins_episode():
-    sink = ListSink()
-    w = WorkerLifecycle(rank=0, worker_gen="w0", sink=sink)
-    w.handle((w, ev.W_STEP, 0, "g", (), ((6, "r", 2),), (), {}))
-    w.handle((w, ev.W_STEP, 5, "g", (), (), (6,), {"r": 1}))
-    w.handle((w, ev.W_SUBMIT, 6, 6, False, True, False))
-    w.handle((w, ev.W_RESULT, 7, 6, True, 10, None))
-    (t,) = sink.of(rec.TransferRecord)
-    assert t.episode_epoch == 1 and t.direction == "d2h"
+def test_an_in_process_close_ends_open_work_as_abandoned_not_error(telemetry):
+    """KVOBS_OTEL_EXPORT=in-process: closing the pipeline (atexit,
+    uninstrument) without a connector shutdown still exports what was open,
+    as abandoned with cause process_exit, and none of it is ERROR."""
+    from kvobs_otel.config import Settings
+    from kvobs_otel.pipeline import Pipeline
 
-
-def test_check_accepts_episodes_that_ended_before_resume():
-    from kvobs_otel.tools.analysis.episodes import rebuild
-    from kvobs_otel.tools.otlp_file import FileSpan
-
-    def root(trace: str, req: str, outcome: str) -> FileSpan:
-        return FileSpan("kv.recovery", trace, "01", "", 0, 10, {
-            "kvobs.request.id": req, "kvobs.recovery.epoch": 1, "kvobs.outcome": outcome,
-            "kvobs.receipt.expected_ranks": 2, "kvobs.scheduler.generation": "g"}, {}, False)
-
-    eps = {e.request_id: e for e in rebuild([
-        root("a", "fin", "finished_before_resume"), root("b", "ab", "aborted_before_resume"),
-        root("c", "ok", "recovered"), root("d", "lost", "receipt_incomplete")])}
-    assert eps["fin"].complete and eps["ab"].complete
-    assert eps["ok"].problems == ["admission missing", "first compute missing on ranks [0, 1]"]
-    assert eps["lost"].problems == ["outcome receipt_incomplete"]
+    p = Pipeline(Settings(enabled=True), in_process=True)
+    key = p.register((SchedulerLifecycle, {"sched_gen": "g" * 32, "world_size": 2,
+                                           "deadline_s": 60.0}), {"kvobs.role": "scheduler"})
+    p.offer((key, ev.S_STEP, time.monotonic_ns(), (("q", 1, 32),), ((7, "q", False, 2),), (),
+             (), ()))
+    p.close()
+    spans = {s.name: s for s in telemetry.exporter.get_finished_spans()}
+    assert spans["kv.recovery"].attributes["kvobs.outcome"] == "abandoned"
+    for name in ("kv.recovery", "kv.job"):
+        assert spans[name].attributes["kvobs.end.cause"] == "process_exit", name
+        assert spans[name].status.status_code.name == "UNSET", name

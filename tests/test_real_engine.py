@@ -335,3 +335,125 @@ def test_the_explicit_connector_class_traces_the_real_engine(stack, model, tmp_p
     assert poll(sent_and_received, timeout=30), (
         collector_metric(stack, "kvobs_observer_exported_total", job=service, signal="spans"),
         stack.collector_accepted_spans() - accepted_before)
+
+
+# -- stopping vLLM (issue 31) -------------------------------------------------------
+# vLLM's default shutdown (--shutdown-timeout 0 on 0.32) asks its EngineCore
+# to stop and kills the EngineCore's whole process tree at once
+# (vllm/v1/utils.py, shutdown -> vllm/utils/system_utils.py,
+# kill_process_tree): "[shutdown] force killing sub process ..." in its log.
+
+
+def sent_and_received(stack, service: str, accepted_before: float):
+    """(spans every process of ``service`` says it delivered, spans the
+    Collector accepted since ``accepted_before``) once they agree."""
+    def agree():
+        sent = collector_metric(stack, "kvobs_observer_exported_total", job=service,
+                                signal="spans")
+        received = stack.collector_accepted_spans() - accepted_before
+        return (sent, received) if sent == received > 0 else None
+    return poll(agree, timeout=60, interval=1.0) or (
+        collector_metric(stack, "kvobs_observer_exported_total", job=service, signal="spans"),
+        stack.collector_accepted_spans() - accepted_before, "never agreed")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_immediate_stop_with_default_settings_exports_every_episode_whole(
+        stack, model, tmp_path, sig):
+    """The moment the last response arrives, Ctrl-C (SIGINT to the server's
+    process group, as a terminal sends it) or SIGTERM to the API server (as
+    an orchestrator does), vLLM's shutdown settings untouched. Twice each:
+    every episode vLLM counted arrives whole, and every span each process
+    says it sent, the Collector received."""
+    endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
+    for run in range(2):
+        service = f"kvobs-engine-stop-{sig.name.lower()}-{run}"
+        accepted_before = stack.collector_accepted_spans()
+        server = start_server(model, tmp_path, ServeConfig(observe="plugin"),
+                              otel_env(endpoint, service))
+        try:
+            result = load(server, salt=service)
+            vllm_metrics = server.metrics_text()
+            server.interrupt(sig)
+        finally:
+            server.stop(signal.SIGTERM)
+        assert "force killing" in server.log_tail(400), "vLLM did not kill its processes"
+        assert not result.errors, result.errors[:3]
+        finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
+        truth = EngineTruth.read(vllm_metrics, finished, num_ranks=2)
+        assert finished and truth.preemptions > 0
+
+        episodes = wait_episodes(stack, service, truth.preemptions)
+        assert len(episodes) == truth.preemptions, (run, len(episodes), truth.preemptions)
+        assert_engine_traces_match_vllm(truth, load_spans(jaeger_source(stack, service)))
+        assert [e.problems for e in episodes if not e.complete] == [], run
+        assert not [e for e in episodes if e.cut_short], run  # nothing was open
+        sent, received, *never = sent_and_received(stack, service, accepted_before)
+        assert sent == received and not never, (run, sent, received)
+        proc = run_cli("check", jaeger_source(stack, service))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"{len(episodes)} complete, 0 incomplete" in proc.stdout
+
+
+@pytest.mark.parametrize("victim", ["EngineCore", "Worker_TP1"])
+def test_a_killed_engine_process_is_said_and_costs_only_what_it_never_handed_over(
+        stack, model, tmp_path, victim):
+    """SIGKILL of the EngineCore (the scheduler role) or of rank 1's worker
+    mid-load: what its export sidecar held still arrives (each process's
+    sent count is what the Collector received), the kill is a
+    ``kv.process.end`` span and a counted loss, and the episodes it cut
+    short say so: none is a failed receipt, to ``check`` or the alerts."""
+    import psutil
+
+    service = f"kvobs-engine-kill-{victim.lower()}"
+    endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
+    accepted_before = stack.collector_accepted_spans()
+    server = start_server(model, tmp_path, ServeConfig(observe="plugin"),
+                          otel_env(endpoint, service))
+    try:
+        box: dict = {}
+        client = threading.Thread(target=lambda: box.update(r=load(server, salt=service,
+                                                                   timeout_s=60.0)))
+        client.start()
+        wait_for(lambda: server.metric("vllm:num_preemptions_total") >= 3,
+                 "preemptions before the kill", timeout=120, interval=0.2)
+        proc = server.engine_processes()[victim]
+        proc.send_signal(signal.SIGKILL)
+        psutil.wait_procs([proc], timeout=10)
+        client.join(300)
+    finally:
+        server.stop(signal.SIGTERM)
+    role = "scheduler" if victim == "EngineCore" else "worker"
+
+    def process_end():
+        spans = [s for t in stack.traces(service=service, operation="kv.process.end")
+                 for s in t["spans"] if s["operationName"] == "kv.process.end"]
+        return spans or None
+    ends = poll(process_end, timeout=90, interval=1.0)
+    assert ends, "no kv.process.end for the killed process"
+    (end,) = ends
+    assert tag(end, "kvobs.end.cause") == "process_killed"
+    if role == "worker":
+        assert tag(end, "kvobs.rank") == 1
+    assert tag(end, "error") in (None, False), end["tags"]
+
+    # What every sidecar held arrived, the killed process's included.
+    sent, received, *never = sent_and_received(stack, service, accepted_before)
+    assert sent == received and not never, (sent, received)
+    # Its loss is counted where an operator looks (the Collector's Prometheus
+    # exporter), 0 or more: the events it accepted after its last hand-over.
+    assert poll(lambda: [r for r in stack.promql(
+        f'kvobs_observer_dropped_total{{job="{service}",reason="process_killed"}}')],
+        timeout=60), "no process_killed count"
+
+    # No receipt failure invented: no ERROR job, no incomplete episode.
+    jobs = [s for t in stack.traces(service=service, operation="kv.job") for s in t["spans"]
+            if s["operationName"] == "kv.job"]
+    assert not [j for j in jobs if tag(j, "kvobs.outcome") == "receipt_incomplete"]
+    proc = run_cli("check", jaeger_source(stack, service), "--json")
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 0 and summary["incomplete"] == 0, proc.stdout
+    abandoned = [e for e in summary["cut_short_episodes"] if e["outcome"] == "abandoned"]
+    for e in abandoned:
+        assert e["why"][0].startswith("abandoned: "), e
+    assert not collector_metric(stack, "kvobs_receipts_incomplete_total", job=service)

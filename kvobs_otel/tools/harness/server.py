@@ -179,6 +179,30 @@ class EngineServer:
     def metric(self, name: str) -> float:
         return sum_samples(self.metrics_text(), name)
 
+    def interrupt(self, sig: int = signal.SIGINT) -> None:
+        """Stop it as users do, without waiting: SIGINT to its whole process
+        group (Ctrl-C in the terminal that started it), any other signal to
+        the API server only (an orchestrator: ``docker stop``, Kubernetes)."""
+        with contextlib.suppress(OSError):
+            if sig == signal.SIGINT:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+    def engine_processes(self) -> dict[str, Any]:
+        """vLLM's engine processes by role (``EngineCore``, ``Worker_TP0``,
+        ...: the titles vLLM gives them), as ``psutil.Process``."""
+        import psutil
+
+        out = {}
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(p.cmdline()) or p.name()
+                for role in ("EngineCore", *(f"Worker_TP{r}" for r in range(self.cfg.tp))):
+                    if f"VLLM::{role}" in title:
+                        out[role] = p
+        return out
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
         """Signal the server and wait for it; then give its EngineCore and
         workers the rest of ``timeout_s`` to finish their own exit (they

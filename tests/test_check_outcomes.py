@@ -333,15 +333,15 @@ def test_an_abandoned_episode_is_cut_short_not_incomplete(tmp_path, capsys):
     ep = judged(spans)
     assert ep.complete, ep.problems
     assert ep.cut_short == ["abandoned: process_killed"]
-    # The same trace without the cut: the abandoned outcome is what excuses it.
-    for s in spans:
-        if s.name == "kv.recovery":
-            s.attributes["kvobs.outcome"] = "receipt_incomplete"
+    # The same trace without the cut: the process stop is what excuses it.
+    root = spans[0]
+    root.attributes["kvobs.outcome"] = "receipt_incomplete"
     assert not judged(spans).complete
+    root.attributes["kvobs.outcome"] = "abandoned"
+    root.attributes["kvobs.end.cause"] = "evidence_ended"  # import-hust: records ended
+    assert "outcome abandoned" in judged(spans).problems
+    root.attributes["kvobs.end.cause"] = "process_killed"
 
-    for s in spans:
-        if s.name == "kv.recovery":
-            s.attributes["kvobs.outcome"] = "abandoned"
     path = tmp_path / "cut.otlp.jsonl"
     path.write_text(_otlp_json(spans))
     assert cli.main(["check", str(path)]) == 0

@@ -17,6 +17,15 @@ END_PROCESS_EXIT = "process_exit"  # the process exited without that (atexit)
 # what it recorded after its last hand-over never left it.
 END_PROCESS_KILLED = "process_killed"
 END_CAUSES = (END_CONNECTOR_SHUTDOWN, END_PROCESS_EXIT, END_PROCESS_KILLED)
+# Not a process stop: imported evidence (kvobs-otel import-hust) ended while
+# a job or episode was open. Nobody can say it would have finished: still an
+# incomplete chain (ERROR, counted, alerted), as before these causes existed.
+END_EVIDENCE_ENDED = "evidence_ended"
+
+
+def stopped(outcome: str, cause: str | None) -> bool:
+    """Abandoned because its process stopped: no failure of the chain."""
+    return outcome == ABANDONED and cause in END_CAUSES
 # Every rank reported, and at least one rank's transfer failed (vLLM 0.34+).
 JOB_FAILED = "failed"
 

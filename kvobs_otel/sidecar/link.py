@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,21 @@ POLL_S = 1.0  # how often an idle drain cycle checks that the sidecar lives
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 SHARED_Q = struct.Struct("<Q")
+# The sidecar's ends of its pipes while this process still holds them (during
+# its start): a process forked meanwhile (vLLM forks workers) must not keep
+# them open, or the sidecar would never see EOF nor this process its exit.
+_TRANSIENT: set[int] = set()
+
+
+def _close_transient() -> None:
+    for fd in list(_TRANSIENT):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _TRANSIENT.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_transient)
 
 
 class SidecarLink:
@@ -67,6 +83,7 @@ class SidecarLink:
         self._life = -1  # read end of the life pipe (EOF: the sidecar exited)
         self._sidecar_pid: int | None = None
         self._life_buf = b""
+        self._life_lock = threading.Lock()
         self._shm: mmap.mmap | None = None
         self.written = 0  # events in frames wholly written to the current sidecar
         self.lost = 0  # events no sidecar handled
@@ -96,41 +113,53 @@ class SidecarLink:
         """The sidecar's pid (it says it as it starts: waited for, briefly;
         None when there is no sidecar)."""
         deadline = time.monotonic() + 5.0
-        while self._sidecar_pid is None and self._alive(
-                max(0.0, deadline - time.monotonic())) and time.monotonic() < deadline:
+        while self._sidecar_pid is None and time.monotonic() < deadline and self._alive(0.05):
             pass
         return self._sidecar_pid
 
     def _alive(self, wait_s: float = 0.0) -> bool:
-        """Whether the sidecar may still run: its life pipe has not ended.
-        Reads its pid when it arrives; reaps the intermediate."""
+        """Whether the sidecar may still run: its life pipe has not ended
+        (waiting up to ``wait_s`` for it to end). Reads the sidecar's pid when
+        it arrives; reaps the intermediate. Any thread (the drain thread, a
+        closing one): the reads are serialised, the waits are short slices."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._life_lock:
+                alive = self._read_life()
+                fd = self._life
+            left = deadline - time.monotonic()
+            if not alive or left <= 0:
+                return alive
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: look again
+                select.select([fd], [], [], min(left, 0.05))
+
+    def _read_life(self) -> bool:
         if self.proc is not None and self.proc.returncode is None:
             self.proc.poll()
-        if self._life < 0:
-            return False
-        while True:
-            if wait_s > 0 and not select.select([self._life], [], [], wait_s)[0]:
-                return True
+        while self._life >= 0:
             try:
                 data = os.read(self._life, 64)
             except BlockingIOError:
                 return True
             except OSError:
                 data = b""
-            if not data:
+            if not data:  # EOF: the sidecar exited
                 os.close(self._life)
                 self._life = -1
-                return False
+                break
             self._life_buf += data
             if self._sidecar_pid is None and len(self._life_buf) >= 8:
                 self._sidecar_pid = int.from_bytes(self._life_buf[:8], "little")
+        return False
 
     # -- start ------------------------------------------------------------------------
     def _start(self) -> bool:
         rfd = life_w = -1
         try:
             rfd, wfd = os.pipe()
+            _TRANSIENT.add(rfd)
             life_r, life_w = os.pipe()
+            _TRANSIENT.add(life_w)
             with contextlib.suppress(OSError):
                 fcntl.fcntl(wfd, _F_SETPIPE_SZ, PIPE_BYTES)
             with tempfile.TemporaryFile() as shm_file:
@@ -151,15 +180,18 @@ class SidecarLink:
                      str(life_w)],
                     pass_fds=(rfd, shm_fd, life_w), stdin=subprocess.DEVNULL, env=env,
                     start_new_session=True)
-            os.close(rfd)
-            os.close(life_w)
+            for fd in (rfd, life_w):
+                _TRANSIENT.discard(fd)
+                os.close(fd)
             os.set_blocking(wfd, False)
             os.set_blocking(life_r, False)
             self.fd, self.written = wfd, 0
-            self._life, self._sidecar_pid, self._life_buf = life_r, None, b""
+            with self._life_lock:
+                self._life, self._sidecar_pid, self._life_buf = life_r, None, b""
         except Exception:
             for fd in (rfd, life_w):
-                if fd >= 0:
+                if fd in _TRANSIENT:
+                    _TRANSIENT.discard(fd)
                     with contextlib.suppress(OSError):
                         os.close(fd)
             logger.warning("kvobs-otel: could not start the export sidecar", exc_info=True)
@@ -325,10 +357,11 @@ class SidecarLink:
         self.proc, self.written = None, 0
 
     def _close_life(self) -> None:
-        if self._life >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._life)
-        self._life, self._sidecar_pid = -1, None
+        with self._life_lock:
+            if self._life >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._life)
+            self._life, self._sidecar_pid = -1, None
 
     def _failed(self, kill: bool = False) -> bool:
         alive = self.proc is not None and self._alive()

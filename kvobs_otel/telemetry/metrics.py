@@ -25,10 +25,10 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-# Receipts that never completed on a live engine. An abandoned job's process
-# stopped first (kvobs.end.cause): no rank failed to answer, so it is counted
-# in kvobs.jobs{outcome="abandoned"} only, and pages nobody.
-_INCOMPLETE = frozenset((rec.RECEIPT_INCOMPLETE,))
+# Receipts that never completed. A job abandoned because its process stopped
+# (kvobs.end.cause) is not one: no rank failed to answer, so it is counted in
+# kvobs.jobs{outcome="abandoned"} only, and pages nobody.
+_INCOMPLETE = frozenset((rec.RECEIPT_INCOMPLETE, rec.ABANDONED))
 
 
 class MetricsBuilder:
@@ -148,7 +148,8 @@ class MetricsBuilder:
                                           ("clock", "device")), float(r.device_time_s), tid, sid)
         elif isinstance(r, rec.JobRecord):
             self.jobs[(r.kind, r.outcome)] += 1
-            if r.outcome in _INCOMPLETE:  # a failed transfer's receipt is complete
+            # (a failed transfer's receipt is complete)
+            if r.outcome in _INCOMPLETE and not rec.stopped(r.outcome, r.end_cause):
                 self.incomplete[(r.kind, r.outcome)] += 1
         elif isinstance(r, rec.EpisodeRecord):
             self.episodes[(r.outcome,)] += 1

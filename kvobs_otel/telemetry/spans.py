@@ -66,9 +66,8 @@ LinkT = tuple[int, int, bool, int, dict[str, Any]]
 # abandoned job or episode is not one: its process stopped before it could
 # finish (kvobs.end.cause says how), which no rank or transfer did wrong.
 _JOB_ERROR = {rec.JOB_FAILED: "transfer_failed"}
-_JOB_OK = frozenset((rec.COMPLETE, rec.ABANDONED))
 _EPISODE_ERRORS = frozenset((rec.RECEIPT_INCOMPLETE, rec.FIRST_COMPUTE_INCOMPLETE,
-                             rec.RESTORE_FAILED))
+                             rec.ABANDONED, rec.RESTORE_FAILED))
 
 
 def _random_id(bits: int) -> int:
@@ -207,7 +206,8 @@ class SpanBuilder:
             attrs[A.END_CAUSE] = r.end_cause
         self._span(A.SPAN_JOB, root, r.start_ns, r.end_ns, attrs,
                    span_id=identity.job_span_id(r.sched_gen, r.job_id),
-                   error=None if r.outcome in _JOB_OK else _JOB_ERROR.get(r.outcome, r.outcome),
+                   error=None if r.outcome == rec.COMPLETE or rec.stopped(r.outcome, r.end_cause)
+                   else _JOB_ERROR.get(r.outcome, r.outcome),
                    events=events)
 
     def _transfer(self, r: rec.TransferRecord) -> None:
@@ -233,7 +233,7 @@ class SpanBuilder:
             attrs[A.JOIN_SCOPE] = r.join_scope
         if r.end_cause:  # cancelled because its process stopped: no fault
             attrs[A.END_CAUSE] = r.end_cause
-        ok = r.outcome == rec.TRANSFER_OK or r.end_cause is not None
+        ok = r.outcome == rec.TRANSFER_OK or r.end_cause in rec.END_CAUSES
         self._span(A.SPAN_TRANSFER, parent, r.start_ns, r.end_ns, attrs,
                    error=None if ok else f"transfer_{r.outcome}")
 
@@ -277,7 +277,7 @@ class SpanBuilder:
                 attrs[A.TOKENS[source]] = n
         if r.end_cause:
             attrs[A.END_CAUSE] = r.end_cause
-        failed = r.outcome in _EPISODE_ERRORS
+        failed = r.outcome in _EPISODE_ERRORS and not rec.stopped(r.outcome, r.end_cause)
         links = list(self._link(r.traceparent) or [])
         rtid, rsid = identity.request_ids(r.sched_gen, r.req_id)
         if identity.traffic_sampled(rtid, self.ratio):
@@ -304,7 +304,9 @@ class SpanBuilder:
         if r.end_cause:
             attrs[A.END_CAUSE] = r.end_cause
         self._span(A.SPAN_REQUEST, None, r.start_ns, r.end_ns, attrs, trace_id=tid,
-                   span_id=sid, links=self._link(r.traceparent))
+                   span_id=sid, links=self._link(r.traceparent),
+                   error="abandoned" if r.outcome == rec.ABANDONED
+                   and not rec.stopped(r.outcome, r.end_cause) else None)
 
     def _process_end(self, r: rec.ProcessEndRecord) -> None:
         """From the process's last event its sidecar got to the end of its

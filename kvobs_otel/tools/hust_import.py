@@ -113,11 +113,11 @@ def _import_stream(stream: Stream, make_providers: Callable[[dict], Providers],
     lc = make(_Sink(spans, pseudonym, result.unfinished))
     for d in stream.ordered():
         lc.record(adapt(d), d["observed_at_ns"])
+    # The evidence ends; what is open did not (no process stop: still incomplete).
     if stream.role == "scheduler":
-        lc.shutdown(last)
+        lc.shutdown(last, rec.END_EVIDENCE_ENDED)
     else:
-        # the evidence ends; the transfer did not
-        lc.shutdown(last, outcome=rec.TRANSFER_UNFINISHED)
+        lc.shutdown(last, rec.END_EVIDENCE_ENDED, outcome=rec.TRANSFER_UNFINISHED)
     result.anomalies.update(lc.anomalies())
     result.spans += spans.spans_built
     return providers

@@ -33,8 +33,10 @@ from kvobs_otel.tools.otlp_file import FileSpan
 # which is no fault of the chain.
 ENDED_OK = {"recovered", "finished_before_resume", "aborted_before_resume", "preempted_again",
             "restore_failed", "recomputed"}
-# Ended because the scheduler's process stopped first (kvobs.end.cause).
+# Ended because the scheduler's process stopped first (kvobs.end.cause one of
+# these; another cause, such as imported evidence that ended, is no stop).
 CUT_SHORT = "abandoned"
+STOP_CAUSES = ("connector_shutdown", "process_exit", "process_killed")
 PROCESS_END = "kv.process.end"
 # A restore failed on some rank (vLLM 0.34+): the request ended with an error
 # (kv_load_failure_policy "fail") or was computed again from scratch ("recompute").
@@ -145,9 +147,9 @@ def _check(ep: Episode, killed: Killed | None = None) -> None:
     p = ep.problems
     killed = killed or {}
     ranks = set(range(ep.expected_ranks))
-    cut = ep.outcome == CUT_SHORT
+    cause = ep.root.attributes.get("kvobs.end.cause")
+    cut = ep.outcome == CUT_SHORT and cause in STOP_CAUSES
     if cut:
-        cause = ep.root.attributes.get("kvobs.end.cause", "unknown")
         ep.cut_short.append(f"abandoned: {cause}")
     elif ep.outcome not in ENDED_OK:
         p.append(f"outcome {ep.outcome}")

@@ -357,6 +357,26 @@ def sent_and_received(stack, service: str, accepted_before: float):
         stack.collector_accepted_spans() - accepted_before, "never agreed")
 
 
+def process_ends(stack, service: str) -> list[dict]:
+    """The kv.process.end spans (killed vLLM processes) of ``service`` in Jaeger."""
+    try:
+        traces = stack.traces(service=service, operation="kv.process.end")
+    except OSError:  # Jaeger busy: ask again
+        return []
+    return [s for t in traces for s in t["spans"] if s["operationName"] == "kv.process.end"]
+
+
+def killed_count(stack, service: str) -> float | None:
+    """``kvobs_observer_dropped_total{reason="process_killed"}`` of ``service``
+    at the Collector's Prometheus exporter; None while no process reported it."""
+    status, body = http_get(f"http://127.0.0.1:{stack.ports['prom_exporter']}/metrics")
+    assert status == 200
+    lines = [line for line in body.decode().splitlines()
+             if line.startswith("kvobs_observer_dropped_total{") and f'job="{service}"' in line
+             and 'reason="process_killed"' in line]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines) if lines else None
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_immediate_stop_with_default_settings_exports_every_episode_whole(
         stack, model, tmp_path, sig):
@@ -365,34 +385,45 @@ def test_an_immediate_stop_with_default_settings_exports_every_episode_whole(
     an orchestrator does), vLLM's shutdown settings untouched. Twice each:
     every episode vLLM counted arrives whole, and every span each process
     says it sent, the Collector received."""
-    endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
     for run in range(2):
-        service = f"kvobs-engine-stop-{sig.name.lower()}-{run}"
-        accepted_before = stack.collector_accepted_spans()
-        server = start_server(model, tmp_path, ServeConfig(observe="plugin"),
-                              otel_env(endpoint, service))
-        try:
-            result = load(server, salt=service)
-            vllm_metrics = server.metrics_text()
-            server.interrupt(sig)
-        finally:
-            server.stop(signal.SIGTERM)
-        assert "force killing" in server.log_tail(400), "vLLM did not kill its processes"
-        assert not result.errors, result.errors[:3]
-        finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
-        truth = EngineTruth.read(vllm_metrics, finished, num_ranks=2)
-        assert finished and truth.preemptions > 0
+        stop_at_once(stack, model, tmp_path, sig, f"kvobs-engine-stop-{sig.name.lower()}-{run}")
 
-        episodes = wait_episodes(stack, service, truth.preemptions)
-        assert len(episodes) == truth.preemptions, (run, len(episodes), truth.preemptions)
-        assert_engine_traces_match_vllm(truth, load_spans(jaeger_source(stack, service)))
-        assert [e.problems for e in episodes if not e.complete] == [], run
-        assert not [e for e in episodes if e.cut_short], run  # nothing was open
-        sent, received, *never = sent_and_received(stack, service, accepted_before)
-        assert sent == received and not never, (run, sent, received)
-        proc = run_cli("check", jaeger_source(stack, service))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert f"{len(episodes)} complete, 0 incomplete" in proc.stdout
+
+def stop_at_once(stack, model, tmp_path, sig: signal.Signals, service: str) -> None:
+    endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
+    accepted_before = stack.collector_accepted_spans()
+    server = start_server(model, tmp_path, ServeConfig(observe="plugin"),
+                          otel_env(endpoint, service))
+    try:
+        result = load(server, salt=service)
+        vllm_metrics = server.metrics_text()
+        server.interrupt(sig)
+    finally:
+        server.stop(signal.SIGTERM)
+    assert "force killing" in server.log_tail(400), "vLLM did not kill its processes"
+    assert not result.errors, result.errors[:3]
+    finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
+    truth = EngineTruth.read(vllm_metrics, finished, num_ranks=2)
+    assert finished and truth.preemptions > 0
+
+    episodes = wait_episodes(stack, service, truth.preemptions)
+    assert len(episodes) == truth.preemptions, (service, len(episodes), truth.preemptions)
+    assert_engine_traces_match_vllm(truth, load_spans(jaeger_source(stack, service)))
+    assert [e.problems for e in episodes if not e.complete] == [], service
+    assert not [e for e in episodes if e.cut_short], service  # nothing was open
+    sent, received, *never = sent_and_received(stack, service, accepted_before)
+    assert sent == received and not never, (service, sent, received)
+    proc = run_cli("check", jaeger_source(stack, service))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(episodes)} complete, 0 incomplete" in proc.stdout
+    # vLLM force-killed its engine processes: each kill is said, with the
+    # events the process never handed over (0 or more), and counted where
+    # an operator looks. Never silent.
+    ends = poll(lambda: process_ends(stack, service), timeout=60, interval=1.0)
+    assert ends, "no kv.process.end for the force-killed processes"
+    unsent = sum(int(tag(e, "kvobs.process.unsent_events")) for e in ends)
+    assert poll(lambda: killed_count(stack, service) == unsent or None, timeout=60,
+                interval=1.0), (killed_count(stack, service), unsent)
 
 
 @pytest.mark.parametrize("victim", ["EngineCore", "Worker_TP1"])
@@ -425,11 +456,7 @@ def test_a_killed_engine_process_is_said_and_costs_only_what_it_never_handed_ove
         server.stop(signal.SIGTERM)
     role = "scheduler" if victim == "EngineCore" else "worker"
 
-    def process_end():
-        spans = [s for t in stack.traces(service=service, operation="kv.process.end")
-                 for s in t["spans"] if s["operationName"] == "kv.process.end"]
-        return spans or None
-    ends = poll(process_end, timeout=90, interval=1.0)
+    ends = poll(lambda: process_ends(stack, service), timeout=90, interval=1.0)
     assert ends, "no kv.process.end for the killed process"
     (end,) = ends
     assert tag(end, "kvobs.end.cause") == "process_killed"
@@ -441,10 +468,14 @@ def test_a_killed_engine_process_is_said_and_costs_only_what_it_never_handed_ove
     sent, received, *never = sent_and_received(stack, service, accepted_before)
     assert sent == received and not never, (sent, received)
     # Its loss is counted where an operator looks (the Collector's Prometheus
-    # exporter), 0 or more: the events it accepted after its last hand-over.
-    assert poll(lambda: [r for r in stack.promql(
-        f'kvobs_observer_dropped_total{{job="{service}",reason="process_killed"}}')],
-        timeout=60), "no process_killed count"
+    # exporter, and Prometheus), 0 or more: the events it accepted after its
+    # last hand-over, as its kv.process.end says.
+    unsent = int(tag(end, "kvobs.process.unsent_events"))
+    assert poll(lambda: killed_count(stack, service) == unsent or None, timeout=60,
+                interval=1.0), (killed_count(stack, service), unsent)
+    assert poll(lambda: stack.promql(
+        f'kvobs_observer_dropped_total{{job="{service}",reason="process_killed"}}'),
+        timeout=60), "no process_killed count in Prometheus"
 
     # No receipt failure invented: no ERROR job, no incomplete episode.
     jobs = [s for t in stack.traces(service=service, operation="kv.job") for s in t["spans"]

@@ -139,10 +139,11 @@ class Sidecar:
                 obs.close(rec.END_PROCESS_EXIT, FINAL_SPANS_S, FINAL_METRICS_S)
             else:
                 unsent = self.unsent()
-                logger.warning(
-                    "kvobs-otel sidecar: vLLM process %d ended without closing (killed); "
-                    "%d events it recorded never reached this sidecar; what it had open "
-                    "ends as abandoned (process_killed)", obs.pid, unsent)
+                if unsent:  # (vLLM's own force kill at shutdown often loses nothing)
+                    logger.warning(
+                        "kvobs-otel sidecar: vLLM process %d ended without closing (killed); "
+                        "%d events it recorded never reached this sidecar; what it had open "
+                        "ends as abandoned (process_killed)", obs.pid, unsent)
                 obs.end_open(rec.END_PROCESS_KILLED)
                 obs.process_killed(unsent)
                 obs.close(rec.END_PROCESS_KILLED, FINAL_SPANS_S, FINAL_METRICS_S)

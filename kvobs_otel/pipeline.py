@@ -27,7 +27,6 @@ from typing import Any
 
 from kvobs_otel.buffer import EventBuffer
 from kvobs_otel.config import EXPORT_IN_PROCESS, Settings
-from kvobs_otel.cpus import unpin
 from kvobs_otel.observers import (
     CLOSE_TIMEOUT_S,
     CONTROL_KEY,
@@ -204,7 +203,6 @@ class Pipeline:
         self._thread.start()
 
     def _run(self) -> None:
-        unpin()  # not on the cores vLLM pinned its compute to (cpus.py)
         interval = self.settings.drain_interval_s
         while not self._stop:
             self._wake.wait(interval)

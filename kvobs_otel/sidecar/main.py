@@ -165,9 +165,6 @@ def main(argv: list[str]) -> int:
     # sidecar is adopted (module docstring).
     if os.fork():
         os._exit(0)
-    from kvobs_otel.cpus import unpin
-
-    unpin()  # not on the cores vLLM pinned its worker to (cpus.py); threads inherit it
     # Held open until exit. (OSError: the vLLM process let go already.)
     with contextlib.suppress(OSError):
         os.write(life_fd, struct.pack("<Q", os.getpid()))

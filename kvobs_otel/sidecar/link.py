@@ -348,10 +348,7 @@ class SidecarLink:
                 os.close(self.fd)
             self.fd = -1
         if proc is not None:
-            deadline = time.monotonic() + (1.0 if kill else 0.0)
-            while self._alive(max(0.0, deadline - time.monotonic())) and (
-                    time.monotonic() < deadline):
-                pass
+            self._alive(1.0 if kill else 0.0)  # (returns once it is gone, or at the time)
             self.lost += max(0, self.written - self._handled())
         self._close_life()
         self.proc, self.written = None, 0
@@ -396,10 +393,7 @@ class SidecarLink:
             os.close(self.fd)
             self.fd = -1
         if self.proc is not None:
-            while self._alive(max(0.0, self.closing_by - time.monotonic())) and (
-                    time.monotonic() < self.closing_by):
-                pass
-            if self._life >= 0:
+            if self._alive(max(0.0, self.closing_by - time.monotonic())):
                 logger.warning("kvobs-otel: the export sidecar (pid %s) is still flushing "
                                "after %.1f s; leaving it to finish", self.pid, timeout_s)
             else:

@@ -144,7 +144,7 @@ class Sidecar:
                         "kvobs-otel sidecar: vLLM process %d ended without closing (killed); "
                         "%d events it recorded never reached this sidecar; what it had open "
                         "ends as abandoned (process_killed)", obs.pid, unsent)
-                obs.end_open(rec.END_PROCESS_KILLED)
+                obs.end_open(rec.END_PROCESS_KILLED)  # (before the span of its window)
                 obs.process_killed(unsent)
                 obs.close(rec.END_PROCESS_KILLED, FINAL_SPANS_S, FINAL_METRICS_S)
         self.publish()

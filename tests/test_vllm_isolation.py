@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import vllm
@@ -81,10 +80,12 @@ def plain(value: object, depth: int = 0) -> object:
             tuple((n, plain(getattr(value, n, None), depth + 1)) for n in names))
 
 
-def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[tuple]:
+def decisions(connector: dict | None = None, before_close=None, each_step=None,
+              **cfg) -> list[tuple]:
     """Every step's SchedulerOutput, reduced to what the scheduler decided,
     then what vLLM's scheduler-side connector read from the workers each step
-    and how every request finished."""
+    and how every request finished. ``each_step`` runs on the scheduler's
+    thread as vLLM's connector reads each step's worker output."""
     out = []
     received: list[tuple] = []
     with Harness(HarnessConfig(num_ranks=2, **(connector or {}), **cfg)) as h:
@@ -93,6 +94,8 @@ def decisions(connector: dict | None = None, before_close=None, **cfg) -> list[t
         update = conn.update_connector_output
 
         def spy(connector_output):
+            if each_step is not None:
+                each_step()
             received.append(vllm_view(connector_output.kv_connector_worker_meta))
             return update(connector_output)
 
@@ -150,31 +153,37 @@ def test_killed_sidecar_changes_no_scheduling_decision_and_is_counted(stock, mon
     assert kvobs_otel.instrument(Settings(enabled=True, drain_interval_s=0.02))
     killed: list[int] = []
     seen: dict[str, dict[str, int]] = {}
+    stopped: list[tuple[int, int]] = []  # (pid, events written when stopped)
 
-    def killer() -> None:
-        link = wait_for(lambda: getattr(current_pipeline(), "link", None), "a sidecar")
-        wait_for(lambda: link.written > 5, "events on their way to the sidecar")
-        pid, written = link.pid, link.written
-        os.kill(pid, signal.SIGSTOP)  # what it has not read yet is lost with it
-        try:
-            wait_for(lambda: link.written >= written + 5, "events it will never read")
-        finally:
-            os.kill(pid, signal.SIGKILL)  # never left stopped
-        killed.append(pid)
+    def each_step() -> None:
+        # On the scheduler's thread and with synchronous drains, so the stop
+        # and the kill fall mid-workload however slow the machine is (a
+        # thread polling beside it could wake only after the last event).
+        p = current_pipeline()
+        p.drain_once()
+        link = p.link
+        if killed or link is None or link.proc is None:
+            return
+        if not stopped and link.written > 5:
+            os.kill(link.pid, signal.SIGSTOP)  # what it has not read yet is lost with it
+            stopped.append((link.pid, link.written))
+        elif stopped and link.written >= stopped[0][1] + 5:
+            os.kill(stopped[0][0], signal.SIGKILL)
+            killed.append(stopped[0][0])
 
     def counts() -> None:
+        if stopped and not killed:  # never left stopped, whatever failed
+            os.kill(stopped[0][0], signal.SIGKILL)
+        assert killed, f"the workload ended before the kill (stopped: {stopped})"
         p = current_pipeline()
         wait_for(lambda: (p.drain_once(), p.error_counts()["sidecar"])[1], "the death noticed")
         seen.update(drops=p.drop_counts(), errors=p.error_counts())
         seen["sidecar"] = {"pid": p.link.pid}
 
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
     try:
-        assert decisions(EXPLICIT, before_close=counts) == stock
+        assert decisions(EXPLICIT, before_close=counts, each_step=each_step) == stock
     finally:
         kvobs_otel.uninstrument()
-    thread.join(1)
     assert len(killed) == 1 and seen["sidecar"]["pid"] not in (None, killed[0])
     assert seen["errors"]["sidecar"] == 1 and seen["drops"]["sidecar_lost"] >= 5
 

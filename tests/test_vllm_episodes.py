@@ -101,6 +101,21 @@ def test_ordinary_stores_form_per_request_traces(observe):
     assert observe.metric_total("kvobs.transfer.bytes", direction="d2h") > 0
 
 
+def test_a_transfer_span_covers_a_copy_made_inside_submit(observe):
+    # A copy engine that copies inside submit (the harness's CPU backend, some
+    # device handlers), slowed to 20 ms a copy: the span starts at the call.
+    with Harness(HarnessConfig(num_ranks=2, extra_config={"harness_copy_s": 0.02})) as h:
+        h.add_request("solo", 64, max_tokens=4)
+        h.run_until_idle(200)
+    current_pipeline().flush()
+    transfers = [view(s) for s in observe.spans("kv.transfer")]
+    assert transfers
+    for t in transfers:
+        copy_s = t.attrs["kvobs.device.duration_s"]  # vLLM's own transfer_time
+        assert copy_s >= 0.02
+        assert (t.end_ns - t.start_ns) / 1e9 >= copy_s, (t.attrs, t.end_ns - t.start_ns)
+
+
 def test_restore_through_cpu_when_gpu_prefix_cache_is_evicted(observe):
     with Harness(HarnessConfig(num_ranks=2)) as h:
         start_recovery(h, "r")

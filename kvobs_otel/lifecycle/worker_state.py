@@ -1,7 +1,8 @@
 """Worker-side lifecycle: real submissions and their TransferResults.
 
-A transfer starts when ``submit_store``/``submit_load`` returned and ends when
-its ``TransferResult`` is seen. Queued stores (``prepare_store_kv``) and
+A transfer starts when ``submit_store``/``submit_load`` is called (a copy
+engine may copy inside the call) and ends when its ``TransferResult`` is
+seen. Queued stores (``prepare_store_kv``) and
 non-writer acknowledgements are not transfers and never become one.
 """
 

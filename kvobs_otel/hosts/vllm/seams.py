@@ -335,19 +335,23 @@ class WorkerSeams:
         submit_store, submit_load, get_finished = (
             worker.submit_store, worker.submit_load, worker.get_finished)
 
+        # The transfer starts when it is submitted: a copy engine may copy
+        # inside submit (the harness's CPU backend, some device handlers).
         def observed_submit_store(job_id: int, src: Any, dst: Any) -> bool:
+            t = _now()
             ok = submit_store(job_id, src, dst)
             try:
-                offer((consumer, ev.W_SUBMIT, _now(), job_id, False, bool(ok), False))
+                offer((consumer, ev.W_SUBMIT, t, job_id, False, bool(ok), False))
             except Exception:
                 count("seam")
             return ok
 
         def observed_submit_load(job_id: int, src: Any, dst: Any, *args: Any, **kw: Any) -> bool:
+            t = _now()
             ok = submit_load(job_id, src, dst, *args, **kw)
             try:
                 expedited = bool(kw.get("expedited", args[0] if args else False))
-                offer((consumer, ev.W_SUBMIT, _now(), job_id, True, bool(ok), expedited))
+                offer((consumer, ev.W_SUBMIT, t, job_id, True, bool(ok), expedited))
             except Exception:
                 count("seam")
             return ok

@@ -36,6 +36,7 @@ KV_CACHE_LAYOUT = "LBHNC"
 STALL_KEY = "harness_stall"
 FAIL_KEY = "harness_fail"
 RECORD_KEY = "harness_record_transfers"
+COPY_DELAY_KEY = "harness_copy_s"
 
 
 @dataclass(frozen=True)

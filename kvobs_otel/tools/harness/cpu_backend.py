@@ -52,6 +52,9 @@ without copying any byte: a failed copy. ``kind`` and ``rank`` work as for
 ``OffloadingWorkerMetadata.failed_jobs``) accept it; older ones assert that
 every transfer succeeded, so there the rule is refused (``compat``).
 
+A slow copy engine that copies inside submit: ``"harness_copy_s": 0.02``
+adds 20 ms to every copy (inside the measured ``transfer_time``).
+
 Test hook: with ``"harness_record_transfers": true`` the worker keeps, per
 job, the host chunk slots and device blocks it touched and a clone of the
 bytes it copied (``transfer_log``), so tests can compare stored and loaded
@@ -83,7 +86,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvobs_otel.tools.harness import compat
-from kvobs_otel.tools.harness.config import FAIL_KEY, RECORD_KEY, STALL_KEY
+from kvobs_otel.tools.harness.config import COPY_DELAY_KEY, FAIL_KEY, RECORD_KEY, STALL_KEY
 
 KINDS = frozenset({"load", "store", "any"})
 
@@ -216,8 +219,10 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
         stall: StallRule | None = None,
         record_transfers: bool = False,
         fail: FailRule | None = None,
+        copy_delay_s: float = 0.0,
     ):
         self.rank = rank
+        self.copy_delay_s = copy_delay_s
         self.blocks_per_chunk = blocks_per_chunk
         self.num_cpu_chunks = num_cpu_chunks
         self.layer_refs_per_group: list[list[CanonicalKVCacheRef]] = kv_caches.group_data_refs
@@ -423,6 +428,8 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
                         CopySegment(ref.tensor_idx, slots.tolist(), rows.tolist(), copied.clone())
                     )
         assert host_off == len(host_ids)
+        if self.copy_delay_s:
+            time.sleep(self.copy_delay_s)
         elapsed = time.perf_counter() - start
         self._done.append(TransferResult(job_id, True, num_bytes, elapsed))
         if record is not None:
@@ -450,6 +457,7 @@ class HarnessCPUOffloadingSpec(CPUOffloadingSpec):
                 stall=parse_stall(extra, rank),
                 record_transfers=bool(extra.get(RECORD_KEY, False)),
                 fail=parse_fail(extra, rank),
+                copy_delay_s=float(extra.get(COPY_DELAY_KEY, 0.0)),
             )
         assert self._worker is not None
         return self._worker

@@ -74,7 +74,7 @@ def render_report(spans: list[FileSpan], title: str | None = None, *,
     body.append('<figure class="card wide" id="throughput-plot"><figcaption>Transfer '
                 f'throughput <span class="sub">{len(transfers)} kv.transfer span'
                 f'{"s" if len(transfers) != 1 else ""} with kvobs.bytes; MB/s = bytes / span '
-                "duration (submit returned \u2192 result seen) / 10\u2076</span></figcaption>"
+                "duration (submit called \u2192 result seen) / 10\u2076</span></figcaption>"
                 + throughput_legend(transfers)
                 + '<div class="pair"><div><h4>throughput against transfer size</h4>'
                 + throughput_scatter(transfers)

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 # The spec class the harness plugs into the stock OffloadingConnector.
 HARNESS_SPEC_NAME = "HarnessCPUOffloadingSpec"
 HARNESS_SPEC_MODULE = "kvobs_otel.tools.harness.cpu_backend"
+# The same copy engine under vLLM's TieringOffloadingSpec (secondary tiers).
+TIERING_SPEC_NAME = "HarnessTieringOffloadingSpec"
 
 # The CPU attention backend only reads head-major block interiors (LBHNC), and
 # LBHNC is also what OffloadingConnector asks for: both agree, so use it.

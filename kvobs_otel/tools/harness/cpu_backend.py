@@ -83,7 +83,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvobs_otel.tools.harness import compat
 from kvobs_otel.tools.harness.config import COPY_DELAY_KEY, FAIL_KEY, RECORD_KEY, STALL_KEY
@@ -220,9 +222,16 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
         record_transfers: bool = False,
         fail: FailRule | None = None,
         copy_delay_s: float = 0.0,
+        host_region: SharedOffloadRegion | None = None,
     ):
         self.rank = rank
         self.copy_delay_s = copy_delay_s
+        # Tiered: the host pool is this rank's share of vLLM's shared region,
+        # which the scheduler's secondary tiers read (cascade) and write
+        # (promotion); closed with the worker.
+        self.host_region = host_region
+        if host_region is not None and blocks_per_chunk != 1:
+            raise ValueError("the harness's tiered host pool needs one GPU block per chunk")
         self.blocks_per_chunk = blocks_per_chunk
         self.num_cpu_chunks = num_cpu_chunks
         self.layer_refs_per_group: list[list[CanonicalKVCacheRef]] = kv_caches.group_data_refs
@@ -237,9 +246,14 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
         for kv_tensor in kv_caches.tensors:
             page = kv_tensor.page_size_bytes
             device = kv_tensor.tensor.view(torch.int8).view((-1, page))
-            host = torch.zeros((num_cpu_chunks, page * blocks_per_chunk), dtype=torch.int8)
+            if host_region is not None:
+                # (num_chunks, page) rows strided by the region's chunk row:
+                # vLLM's own layout (SharedOffloadRegion.create_next_worker_view).
+                self.host_tensors.append(host_region.create_next_worker_view(page))
+            else:
+                host = torch.zeros((num_cpu_chunks, page * blocks_per_chunk), dtype=torch.int8)
+                self.host_tensors.append(host.view(num_cpu_chunks * blocks_per_chunk, page))
             self.device_tensors.append(device)
-            self.host_tensors.append(host.view(num_cpu_chunks * blocks_per_chunk, page))
             t = kv_tensor.tensor
             self._device_geometry.append((t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]))
         self.stall = stall
@@ -301,6 +315,10 @@ class HarnessCPUOffloadingWorker(OffloadingWorker):
         self._done.clear()
         self._withheld.clear()
         self._kinds.clear()
+        if self.host_region is not None:
+            self.host_tensors.clear()
+            self.host_region.cleanup()
+            self.host_region = None
 
     # -- introspection for tests --------------------------------------------
 
@@ -447,17 +465,50 @@ class HarnessCPUOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            rank = self.config.parallel.rank
-            extra = dict(self.extra_config)
-            self._worker = HarnessCPUOffloadingWorker(  # type: ignore[assignment]
-                kv_caches=kv_caches,
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_cpu_chunks=self.num_chunks,
-                rank=rank,
-                stall=parse_stall(extra, rank),
-                record_transfers=bool(extra.get(RECORD_KEY, False)),
-                fail=parse_fail(extra, rank),
-                copy_delay_s=float(extra.get(COPY_DELAY_KEY, 0.0)),
+            self._worker = _harness_worker(self, kv_caches)  # type: ignore[assignment]
+        assert self._worker is not None
+        return self._worker
+
+
+def _harness_worker(spec: CPUOffloadingSpec, kv_caches: CanonicalKVCaches,
+                    host_region: SharedOffloadRegion | None = None
+                    ) -> HarnessCPUOffloadingWorker:
+    rank = spec.config.parallel.rank
+    extra = dict(spec.extra_config)
+    return HarnessCPUOffloadingWorker(
+        kv_caches=kv_caches,
+        blocks_per_chunk=spec.blocks_per_chunk,
+        num_cpu_chunks=spec.num_chunks,
+        rank=rank,
+        stall=parse_stall(extra, rank),
+        record_transfers=bool(extra.get(RECORD_KEY, False)),
+        fail=parse_fail(extra, rank),
+        copy_delay_s=float(extra.get(COPY_DELAY_KEY, 0.0)),
+        host_region=host_region,
+    )
+
+
+class HarnessTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's TieringOffloadingSpec, whole (its TieringOffloadingManager, the
+    CPU primary tier and the configured secondary tiers, all real), with the
+    harness's copy engine as the GPU <-> CPU worker. The worker copies into
+    its share of the same ``SharedOffloadRegion`` (``/dev/shm``, named by the
+    engine id) the primary tier hands to the secondary tiers, laid out as
+    vLLM's ``TieringOffloadingSpec.create_worker`` lays it out."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=0 if self.replicated_layout else self.config.parallel.rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
             )
+            try:
+                self._worker = _harness_worker(self, kv_caches, region)  # type: ignore[assignment]
+            except BaseException:
+                region.cleanup()
+                raise
         assert self._worker is not None
         return self._worker

@@ -35,6 +35,7 @@ from kvobs_otel.tools.harness.config import (
     FAIL_KEY,
     RECORD_KEY,
     STALL_KEY,
+    TIERING_SPEC_NAME,
     EngineShape,
     TinyLlama,
     build_kv_cache_configs,
@@ -91,10 +92,20 @@ class HarnessConfig:
     # Keep per-job copies of transferred bytes in each rank's worker.
     record_transfers: bool = False
     engine_id: str = "kvobs-harness"
+    # vLLM's TieringOffloadingSpec with one secondary tier behind the CPU
+    # tier: "fs" (vLLM's filesystem tier, in tier_dir or a temporary
+    # directory of the harness). tier_config is merged into the tier's entry
+    # of secondary_tiers (backpressure, or an out-of-tree tier's type and
+    # module_path).
+    tier: str | None = None
+    tier_dir: str | None = None
+    tier_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rank_mode not in ("inline", "process"):
             raise ValueError(f"rank_mode must be 'inline' or 'process', not {self.rank_mode!r}")
+        if self.tier not in (None, "fs"):
+            raise ValueError(f"tier must be 'fs' or None, not {self.tier!r}")
         if self.rank_env and self.rank_mode != "process":
             raise ValueError("rank_env needs rank_mode='process' (inline ranks share one process)")
         # Reads vLLM's source tree only: no vLLM import before ranks set their env.
@@ -252,6 +263,14 @@ class Harness:
             extra[FAIL_KEY] = dict(cfg.fail)
         if cfg.record_transfers:
             extra[RECORD_KEY] = True
+        engine_id = cfg.engine_id
+        if cfg.tier:
+            root = cfg.tier_dir or os.path.join(self._tmpdir, f"tier-{cfg.tier}")
+            extra.update(spec_name=TIERING_SPEC_NAME, secondary_tiers=[
+                {"type": cfg.tier, "root_dir": root, **cfg.tier_config}])
+            # The shared region is /dev/shm/vllm_offload_<engine id>.mmap:
+            # one per harness, so two harnesses never share one.
+            engine_id = f"{engine_id}-{os.path.basename(self._tmpdir)}"
         shape = EngineShape(
             num_ranks=cfg.num_ranks,
             num_gpu_blocks=cfg.num_gpu_blocks,
@@ -265,7 +284,7 @@ class Harness:
             connector_module_path=cfg.connector_module_path,
             num_cpu_chunks=cfg.num_cpu_chunks,
             extra_config=extra,
-            engine_id=cfg.engine_id,
+            engine_id=engine_id,
             model=self.model,
             model_runner=cfg.model_runner,
             kv_load_failure_policy=cfg.kv_load_failure_policy,

@@ -64,6 +64,12 @@ def job_span_id(sched_gen: str, job_id: int) -> int:
     return _nonzero(int.from_bytes(_digest("job", sched_gen, job_id)[:8], "big"))
 
 
+def tier_job_span_id(sched_gen: str, tier_job_id: int) -> int:
+    """Tier job ids are the tiering manager's own: the same number occurs as a
+    connector job id, so they are derived under their own key."""
+    return _nonzero(int.from_bytes(_digest("tier-job", sched_gen, tier_job_id)[:8], "big"))
+
+
 @functools.lru_cache(maxsize=16384)  # the same keys recur for every span
 def admission_span_id(sched_gen: str, req_id: str, epoch: int) -> int:
     return _nonzero(int.from_bytes(_digest("admission", sched_gen, req_id, epoch)[:8], "big"))

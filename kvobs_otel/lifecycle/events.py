@@ -27,6 +27,21 @@ S_FINISHED = 4
 S_RESET = 5
 # ()
 S_SHUTDOWN = 6
+# The connector told the scheduler "not yet" for a request that was not
+# waiting: (req_id,)
+S_WAIT = 7
+# It answered again (or the request finished while waiting): (req_id, passes,
+# answered: bool)
+S_WAIT_END = 8
+# Secondary tiers (TieringOffloadingSpec), in the scheduler process only.
+# A tier job registered, just before its submit: (tier_idx, tier_job_id,
+# is_promotion, req_id, chunks). Tier job ids are the tiering manager's own.
+S_TIER_JOB = 9
+# (tier_job_id, success, ok_chunks | None, bytes | None, io_time_s | None,
+#  release_deferred: bool)
+S_TIER_DONE = 10
+# A secondary hit whose promotion found no free CPU chunk: (tier_idx, req_id)
+S_TIER_NO_ROOM = 16
 
 # Worker role ----------------------------------------------------------------
 # (sched_gen, loads: ((job_id, req_id, blocks), ...), stores: same,

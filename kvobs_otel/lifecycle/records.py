@@ -58,6 +58,27 @@ JOIN_PROCESS = "process"
 PRESERVE = "preserve"
 RESTORE = "restore"
 
+# Secondary tiers (TieringOffloadingSpec) ------------------------------------
+PROMOTION = "promotion"  # secondary tier -> CPU
+CASCADE = "cascade"  # CPU -> secondary tier
+TIER_OK = "ok"
+TIER_FAILED = "failed"  # no chunk made it
+TIER_PARTIAL = "partial"  # some chunks made it (promotions only)
+# Still unfinished past the deadline while the engine stepped: reported now,
+# while it hangs (a result that comes later is counted late).
+TIER_HUNG = "hung"
+# An episode whose promotion or wait hung: it ends then, as an error.
+TIER_STALLED = "tier_stalled"
+# Why a request waited for the connector's answer (kv.wait).
+WAIT_TRANSFER = "transfer_in_flight"  # its own offload job was still running
+WAIT_PROMOTION = "promotion"  # a secondary tier promoted its KV to CPU
+WAIT_LOOKUP = "lookup"  # the connector could not answer yet (an async tier lookup)
+WAIT_ANSWERED = "answered"
+WAIT_REQUEST_ENDED = "request_ended"
+# Why KV that was offloaded did not come back (kvobs.recompute.reason).
+RECOMPUTE_PROMOTION_FAILED = "promotion_failed"
+RECOMPUTE_NO_ROOM = "promotion_allocation_failed"
+
 
 @dataclass(slots=True)
 class JobRecord:
@@ -158,6 +179,11 @@ class EpisodeRecord:
     tokens_resident: int | None = None  # still in the device prefix cache
     tokens_recomputed: int | None = None  # computed again
     end_cause: str | None = None  # ABANDONED: END_*
+    # Secondary tiers: tier jobs of this episode, the chunks each tier
+    # promoted for it ({tier_index: chunks}), and why KV did not come back.
+    tier_jobs: list[int] = field(default_factory=list)
+    promoted_chunks: dict[int, int] = field(default_factory=dict)
+    recompute_reason: str | None = None
 
     def tokens(self) -> tuple[tuple[str, int | None], ...]:
         """(source, tokens) of the accounting: the span's attributes and the
@@ -178,6 +204,49 @@ class RequestRecord:
     traceparent: str | None
     jobs: int
     end_cause: str | None = None  # ABANDONED: END_*
+    tier_jobs: int = 0
+    waits: int = 0
+
+
+@dataclass(slots=True)
+class TierJobRecord:
+    """A promotion (secondary tier -> CPU) or cascade (CPU -> secondary tier)
+    of vLLM's tiering manager."""
+
+    sched_gen: str
+    tier_job_id: int  # the tiering manager's own id space
+    tier_index: int
+    tier_type: str
+    medium: str
+    locality: str
+    kind: str  # PROMOTION | CASCADE
+    req_id: str
+    chunks: int
+    outcome: str  # TIER_*
+    start_ns: int
+    end_ns: int
+    chunks_ok: int | None = None
+    size_bytes: int | None = None
+    io_time_s: float | None = None  # the tier's own measure of its I/O
+    release_deferred: bool = False  # failed chunks released later (0.34)
+    episode_epoch: int = 0
+    end_cause: str | None = None  # ABANDONED: END_*
+
+
+@dataclass(slots=True)
+class WaitRecord:
+    """From the connector's first "not yet" for a request to its answer."""
+
+    sched_gen: str
+    req_id: str
+    start_ns: int
+    end_ns: int
+    passes: int  # scheduling passes told "not yet"
+    reasons: list[str]
+    outcome: str  # WAIT_ANSWERED | WAIT_REQUEST_ENDED | TIER_HUNG | ABANDONED
+    tiers: list[int] = field(default_factory=list)  # tiers that promoted for it
+    episode_epoch: int = 0
+    end_cause: str | None = None
 
 
 @dataclass(slots=True)

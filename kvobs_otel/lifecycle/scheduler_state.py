@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from kvobs_otel.lifecycle import events as ev
 from kvobs_otel.lifecycle import records as rec
+from kvobs_otel.lifecycle.tier_state import TierLedger
 
 
 class RecordSink(Protocol):
@@ -68,14 +69,22 @@ class _Episode:
     held: int | None = None
     restored: int = 0
     overdue_at: int | None = None  # engine steps when first past the deadline
+    # Secondary tiers (tier_state.py)
+    tier_jobs: list[int] = field(default_factory=list)
+    failed_tier_jobs: list[int] = field(default_factory=list)
+    promoted: dict[int, int] = field(default_factory=dict)  # tier -> chunks
+    recompute_reason: str | None = None
+    wait_end_ns: int | None = None  # the connector's answer after "not yet"
 
 
 @dataclass(slots=True)
 class _Request:
     start_ns: int
     traceparent: str | None
-    open_jobs: int = 0
+    open_jobs: int = 0  # connector and tier jobs
     jobs: int = 0
+    tier_jobs: int = 0
+    waits: int = 0
     last_ns: int = 0
     finished: str | None = None  # ev.FINISHED_*
 
@@ -94,7 +103,8 @@ class SchedulerLifecycle:
     _CLOSED_MEMORY = 8192
 
     def __init__(self, sched_gen: str, world_size: int, deadline_s: float,
-                 sink: RecordSink, progress: Callable[[], int] | None = None) -> None:
+                 sink: RecordSink, progress: Callable[[], int] | None = None,
+                 tiers: list[tuple[str, str, str]] | None = None) -> None:
         self.gen = sched_gen
         self.progress = progress
         self._steps = 0  # progress() as read at the previous tick
@@ -105,6 +115,9 @@ class SchedulerLifecycle:
         self.episodes: dict[str, _Episode] = {}
         self.requests: dict[str, _Request] = {}
         self._closed: OrderedDict[int, None] = OrderedDict()
+        # Secondary tiers' jobs and the connector's waits; tiers: (type,
+        # medium, locality) by tier index, None when the spec has none.
+        self.tier = TierLedger(self, [tuple(t) for t in tiers or ()])  # type: ignore[misc]
         # Counters the metric builder reads.
         self.late_receipts = 0
         self.unknown_receipts = 0
@@ -121,6 +134,16 @@ class SchedulerLifecycle:
             self._request(t, event[3]).traceparent = event[4]
         elif kind == ev.S_FINISHED:
             self._finished(t, event[3], event[4])
+        elif kind == ev.S_WAIT:
+            self.tier.wait(t, event[3])
+        elif kind == ev.S_WAIT_END:
+            self.tier.wait_end(t, *event[3:])
+        elif kind == ev.S_TIER_JOB:
+            self.tier.job(t, *event[3:])
+        elif kind == ev.S_TIER_DONE:
+            self.tier.done(t, *event[3:])
+        elif kind == ev.S_TIER_NO_ROOM:
+            self.tier.no_room(t, *event[3:])
         elif kind == ev.S_RESET:
             for ep in self.episodes.values():
                 ep.events.append(rec.EpisodeEvent("kv.cache_reset", t))
@@ -177,8 +200,10 @@ class SchedulerLifecycle:
             ep.held, ep.restored = held, restored
             if ep.ready_ns is None and not ep.open_restores:
                 # Nothing to restore (GPU prefix hit) or all restores in: ready
-                # since the last of them, else since preemption.
-                ep.ready_ns = ep.start_ns
+                # since the last of them, else since the connector's answer
+                # after a wait (a tier lookup, a promotion), else since
+                # preemption.
+                ep.ready_ns = ep.wait_end_ns or ep.start_ns
 
     def _new_job(self, t, job_id, req_id, is_store, sync, blocks) -> _Job:
         job = self.jobs[job_id] = _Job(req_id, is_store, sync, blocks, t)
@@ -216,8 +241,8 @@ class SchedulerLifecycle:
                 del self.episodes[req_id]
                 # A failed restore that vLLM recomputed: the request came back,
                 # from scratch.
-                self._end_episode(req_id, ep, t,
-                                  rec.RECOMPUTED if ep.failed_jobs else rec.RECOVERED)
+                self._end_episode(req_id, ep, t, rec.RECOMPUTED
+                                  if ep.failed_jobs or ep.failed_tier_jobs else rec.RECOVERED)
 
     def _end_job(self, job_id: int, t: int, outcome: str, cause: str | None = None) -> None:
         job = self.jobs.pop(job_id)
@@ -283,12 +308,13 @@ class SchedulerLifecycle:
         if force is None and (r.finished is None or r.open_jobs > 0):
             return
         del self.requests[req_id]
-        if r.jobs == 0:
+        if not (r.jobs or r.tier_jobs or r.waits):
             return  # no offload traffic: no trace
         self.sink.emit(rec.RequestRecord(
             sched_gen=self.gen, req_id=req_id, start_ns=r.start_ns, end_ns=r.last_ns,
             outcome=force or r.finished or "finished", traceparent=r.traceparent,
-            jobs=r.jobs, end_cause=cause if force == rec.ABANDONED else None))
+            jobs=r.jobs, end_cause=cause if force == rec.ABANDONED else None,
+            tier_jobs=r.tier_jobs, waits=r.waits))
 
     def _end_episode(self, req_id: str, ep: _Episode, t: int, outcome: str,
                      cause: str | None = None) -> None:
@@ -312,7 +338,10 @@ class SchedulerLifecycle:
             failed_restore_jobs=ep.failed_jobs, failed_ranks=sorted(ep.failed_ranks),
             tokens_discarded=ep.discarded, tokens_restored=restored, tokens_resident=resident,
             tokens_recomputed=recomputed,
-            end_cause=cause if outcome == rec.ABANDONED else None))
+            end_cause=cause if outcome == rec.ABANDONED else None,
+            tier_jobs=ep.tier_jobs, promoted_chunks=dict(ep.promoted),
+            recompute_reason=ep.recompute_reason if recomputed or outcome in (
+                rec.RECOMPUTED, rec.TIER_STALLED) else None))
 
     # -- time ---------------------------------------------------------------------------
     def tick(self, now: int) -> None:
@@ -320,7 +349,7 @@ class SchedulerLifecycle:
         (and, with ``progress``, the engine's next ``STEPS_PAST_DEADLINE`` steps)."""
         limit = now - self.deadline_ns
         if self.progress is None:
-            def overdue(item: _Job | _Episode) -> bool:
+            def overdue(item: Any) -> bool:
                 return True
         else:
             # The count read at the previous tick, before this drain: every
@@ -328,7 +357,7 @@ class SchedulerLifecycle:
             seen, steps = self._steps, self.progress()
             self._steps = steps
 
-            def overdue(item: _Job | _Episode) -> bool:
+            def overdue(item: Any) -> bool:
                 if item.overdue_at is None:
                     item.overdue_at = steps
                 return seen >= item.overdue_at + STEPS_PAST_DEADLINE
@@ -339,12 +368,14 @@ class SchedulerLifecycle:
                        if ep.admitted_ns is not None and ep.admitted_ns < limit and overdue(ep)]:
             self._end_episode(req_id, self.episodes.pop(req_id), now,
                               rec.FIRST_COMPUTE_INCOMPLETE)
+        self.tier.tick(now, limit, overdue)
 
     def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN) -> None:
         """End everything still open as ABANDONED, saying why (``cause``):
         the process stopped first, which is no failure of the chain."""
         for job_id in list(self.jobs):
             self._end_job(job_id, t, rec.ABANDONED, cause)
+        self.tier.shutdown(t, cause)
         for req_id in list(self.episodes):
             self._end_episode(req_id, self.episodes.pop(req_id), t, rec.ABANDONED, cause)
         for req_id in list(self.requests):
@@ -358,4 +389,4 @@ class SchedulerLifecycle:
 
     def anomalies(self) -> dict[str, int]:
         return {"late_receipt": self.late_receipts, "unknown_job_receipt": self.unknown_receipts,
-                "duplicate_receipt": self.duplicate_receipts}
+                "duplicate_receipt": self.duplicate_receipts, **self.tier.anomalies()}

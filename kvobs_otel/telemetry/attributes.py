@@ -10,6 +10,10 @@ SPAN_FIRST_COMPUTE = "kv.first_compute"
 # A vLLM process that ended without a word to its sidecar (killed): its own
 # trace, one per observed role of that process.
 SPAN_PROCESS_END = "kv.process.end"
+# vLLM's secondary tiers (TieringOffloadingSpec): a promotion or cascade, and
+# the window in which the connector told the scheduler "not yet".
+SPAN_TIER_JOB = "kv.tier.job"
+SPAN_WAIT = "kv.wait"
 
 REQUEST_ID = "kvobs.request.id"
 EPOCH = "kvobs.recovery.epoch"
@@ -61,6 +65,25 @@ END_CAUSE = "kvobs.end.cause"
 # kv.process.end: events the process accepted that never reached its sidecar.
 UNSENT_EVENTS = "kvobs.process.unsent_events"
 LIST_DROPPED_SUFFIX = ".dropped"
+# Secondary tiers, as vLLM names them (tier index = order in secondary_tiers).
+TIER_INDEX = "kvobs.tier.index"
+TIER_TYPE = "kvobs.tier.type"
+TIER_MEDIUM = "kvobs.tier.medium"
+TIER_LOCALITY = "kvobs.tier.locality"
+TIER_JOB_ID = "kvobs.tier.job.id"  # the tiering manager's ids, not kvobs.job.id's
+TIER_JOB_KIND = "kvobs.tier.job.kind"  # promotion | cascade
+TIER_CHUNKS = "kvobs.tier.chunks"
+TIER_CHUNKS_OK = "kvobs.tier.chunks_ok"
+TIER_IO_DURATION = "kvobs.tier.io.duration_s"  # the tier's own measure of its I/O
+TIER_RELEASE_DEFERRED = "kvobs.tier.release_deferred"
+TIER_JOB_IDS = "kvobs.tier.job_ids"  # an episode's tier jobs
+TIER_JOBS = "kvobs.tier.jobs"  # a request's tier jobs (count)
+TIER_PROMOTED = "kvobs.tier.promoted_chunks"  # an episode's, summed over tiers
+TIER_PROMOTED_BY = "kvobs.tier.promoted_chunks.by_tier"  # [chunks of tier 0, tier 1, ...]
+RECOMPUTE_REASON = "kvobs.recompute.reason"
+WAIT_PASSES = "kvobs.wait.passes"
+WAIT_REASONS = "kvobs.wait.reasons"
+TIER_INDEXES = "kvobs.tier.indexes"  # a wait's promoting tiers
 
 ERROR_TYPE = "error.type"  # standard name
 

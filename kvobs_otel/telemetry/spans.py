@@ -67,7 +67,7 @@ LinkT = tuple[int, int, bool, int, dict[str, Any]]
 # finish (kvobs.end.cause says how), which no rank or transfer did wrong.
 _JOB_ERROR = {rec.JOB_FAILED: "transfer_failed"}
 _EPISODE_ERRORS = frozenset((rec.RECEIPT_INCOMPLETE, rec.FIRST_COMPUTE_INCOMPLETE,
-                             rec.ABANDONED, rec.RESTORE_FAILED))
+                             rec.ABANDONED, rec.RESTORE_FAILED, rec.TIER_STALLED))
 
 
 def _random_id(bits: int) -> int:
@@ -171,6 +171,10 @@ class SpanBuilder:
             self._request(r)
         elif isinstance(r, rec.ProcessEndRecord):
             self._process_end(r)
+        elif isinstance(r, rec.TierJobRecord):
+            self._tier_job(r)
+        elif isinstance(r, rec.WaitRecord):
+            self._wait(r)
 
     def _job(self, r: rec.JobRecord) -> None:
         root = self._trace_for(r.sched_gen, r.req_id, r.episode_epoch)
@@ -275,6 +279,14 @@ class SpanBuilder:
         for source, n in r.tokens():
             if n is not None:
                 attrs[A.TOKENS[source]] = n
+        if r.tier_jobs:
+            self._ids_list(attrs, A.TIER_JOB_IDS, r.tier_jobs)
+        if r.promoted_chunks:
+            by_tier = [r.promoted_chunks.get(i, 0) for i in range(max(r.promoted_chunks) + 1)]
+            attrs[A.TIER_PROMOTED] = sum(by_tier)
+            attrs[A.TIER_PROMOTED_BY] = by_tier
+        if r.recompute_reason:
+            attrs[A.RECOMPUTE_REASON] = r.recompute_reason
         if r.end_cause:
             attrs[A.END_CAUSE] = r.end_cause
         failed = r.outcome in _EPISODE_ERRORS and not rec.stopped(r.outcome, r.end_cause)
@@ -301,12 +313,59 @@ class SpanBuilder:
             return
         attrs: dict[str, Any] = {A.REQUEST_ID: r.req_id, A.SCHED_GEN: r.sched_gen,
                                  A.OUTCOME: r.outcome, A.JOBS: r.jobs}
+        if r.tier_jobs:
+            attrs[A.TIER_JOBS] = r.tier_jobs
         if r.end_cause:
             attrs[A.END_CAUSE] = r.end_cause
         self._span(A.SPAN_REQUEST, None, r.start_ns, r.end_ns, attrs, trace_id=tid,
                    span_id=sid, links=self._link(r.traceparent),
                    error="abandoned" if r.outcome == rec.ABANDONED
                    and not rec.stopped(r.outcome, r.end_cause) else None)
+
+    def _tier_job(self, r: rec.TierJobRecord) -> None:
+        root = self._trace_for(r.sched_gen, r.req_id, r.episode_epoch)
+        if root is None:
+            return
+        attrs: dict[str, Any] = {
+            A.REQUEST_ID: r.req_id, A.SCHED_GEN: r.sched_gen, A.TIER_INDEX: r.tier_index,
+            A.TIER_TYPE: r.tier_type, A.TIER_JOB_ID: r.tier_job_id, A.TIER_JOB_KIND: r.kind,
+            A.TIER_CHUNKS: r.chunks, A.OUTCOME: r.outcome}
+        if r.medium:
+            attrs[A.TIER_MEDIUM] = r.medium
+        if r.locality:
+            attrs[A.TIER_LOCALITY] = r.locality
+        if r.chunks_ok is not None:
+            attrs[A.TIER_CHUNKS_OK] = r.chunks_ok
+        if r.size_bytes is not None:
+            attrs[A.BYTES] = int(r.size_bytes)
+        if r.io_time_s is not None:
+            attrs[A.TIER_IO_DURATION] = float(r.io_time_s)
+        if r.release_deferred:
+            attrs[A.TIER_RELEASE_DEFERRED] = True
+        if r.episode_epoch:
+            attrs[A.EPOCH] = r.episode_epoch
+        if r.end_cause:
+            attrs[A.END_CAUSE] = r.end_cause
+        ok = r.outcome == rec.TIER_OK or rec.stopped(r.outcome, r.end_cause)
+        self._span(A.SPAN_TIER_JOB, root, r.start_ns, r.end_ns, attrs,
+                   span_id=identity.tier_job_span_id(r.sched_gen, r.tier_job_id),
+                   error=None if ok else f"{r.kind}_{r.outcome}")
+
+    def _wait(self, r: rec.WaitRecord) -> None:
+        root = self._trace_for(r.sched_gen, r.req_id, r.episode_epoch)
+        if root is None:
+            return
+        attrs: dict[str, Any] = {
+            A.REQUEST_ID: r.req_id, A.SCHED_GEN: r.sched_gen, A.WAIT_PASSES: r.passes,
+            A.WAIT_REASONS: list(r.reasons), A.OUTCOME: r.outcome}
+        if r.tiers:
+            attrs[A.TIER_INDEXES] = list(r.tiers)
+        if r.episode_epoch:
+            attrs[A.EPOCH] = r.episode_epoch
+        if r.end_cause:
+            attrs[A.END_CAUSE] = r.end_cause
+        self._span(A.SPAN_WAIT, root, r.start_ns, r.end_ns, attrs,
+                   error="wait_hung" if r.outcome == rec.TIER_HUNG else None)
 
     def _process_end(self, r: rec.ProcessEndRecord) -> None:
         """From the process's last event its sidecar got to the end of its

@@ -115,6 +115,18 @@ def _after_alloc(orig):
     return update_state_after_alloc
 
 
+def _matched(orig):
+    # Every waiting request, every scheduling pass: the seam offers only the
+    # transitions into and out of the connector's "not yet".
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kwargs):
+        result = orig(self, request, num_computed_tokens, *args, **kwargs)
+        s = self.__dict__.get(_ATTR)
+        if s is not None:
+            s.on_matched(request, result)
+        return result
+    return get_num_new_matched_tokens
+
+
 def _preempt(orig):
     # vllm.v1.core.sched.scheduler.Scheduler._preempt_request zeroes the
     # request's computed tokens: read them first (preemptions are rare).
@@ -268,6 +280,7 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     _wrap(C, "__init__", _init)
     # scheduler role
     _wrap(C, "on_new_request", _after("on_new_request"))
+    _wrap(C, "get_num_new_matched_tokens", _matched)
     _wrap(C, "update_state_after_alloc", _after_alloc)
     _wrap(C, "build_connector_meta", _build_meta)
     _wrap(C, "update_connector_output", _connector_output)
@@ -300,8 +313,8 @@ def unpatch_classes() -> None:
         worker = getattr(connector, "connector_worker", None)
         if worker is not None:
             worker.__dict__.pop(_ATTR, None)
-        if s is not None and hasattr(s, "unwrap_workers"):
-            s.unwrap_workers()
+        if s is not None:
+            s.unwrap()
     _connectors.clear()
     _settings = _release = _refusal = None
     from kvobs_otel.pipeline import close_pipeline

@@ -8,6 +8,7 @@ exceptions are never caught here (the wrappers call vLLM outside the ``try``).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvobs_otel.hosts.platform import device_type, vllm_version
 from kvobs_otel.hosts.vllm.metadata import STEP_ATTR, extend
 from kvobs_otel.hosts.vllm.releases import Release
 from kvobs_otel.hosts.vllm.releases import blocks as _blocks
+from kvobs_otel.hosts.vllm.tier_seams import TierSeams, describe, tiering_manager
 from kvobs_otel.lifecycle import events as ev
 from kvobs_otel.lifecycle.events import COMPUTE_DECODE, COMPUTE_PREFILL
 from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
@@ -24,6 +26,7 @@ from kvobs_otel.lifecycle.worker_state import WorkerLifecycle
 from kvobs_otel.pipeline import Pipeline
 from kvobs_otel.telemetry import attributes as A
 
+logger = logging.getLogger("kvobs_otel")
 _now = time.monotonic_ns
 ANY_BATCH = object()  # a V1 forward: every pending request is in the batch
 
@@ -64,13 +67,30 @@ class SchedulerSeams:
         # Engine steps (schedule() calls): the receipt deadline only runs out
         # while the engine steps (scheduler_state.py).
         self.steps = 0
+        manager = tiering_manager(connector)
+        tiers = None
+        if manager is not None:
+            problems = release.tier_problems()
+            if problems:
+                # GPU <-> CPU tracing goes on; the tiers stay untraced, said once.
+                logger.warning("kvobs-otel: vLLM's secondary tiers are not traced: its tiering "
+                               "classes differ from the %s seams: %s", release.name,
+                               "; ".join(problems))
+                pipeline.count_error("tier_refused", quiet=True)
+                manager = None
+            else:
+                tiers = [describe(t) for t in manager.secondary_tiers]
         # The lifecycle is made where the events are exported (a sidecar by
         # default): described here, by a class and plain values.
         self.consumer = pipeline.register(
             (SchedulerLifecycle, {"sched_gen": self.gen, "world_size": world,
-                                  "deadline_s": settings.receipt_deadline_s}),
+                                  "deadline_s": settings.receipt_deadline_s, "tiers": tiers}),
             _resource(connector, settings, "scheduler"), progress=lambda: self.steps)
         self.offer = pipeline.offer
+        self.tier_seams = (TierSeams(manager, self.offer, self.consumer, pipeline.count_error)
+                           if manager is not None else None)
+        # req_id -> scheduling passes the connector answered "not yet" (None).
+        self.waits: dict[str, int] = {}
         # req_id -> Request: read num_preemptions when it is preempted.
         self.requests: dict[str, Any] = {}
         # req_id -> epoch of an episode whose request is not yet re-admitted.
@@ -98,6 +118,23 @@ class SchedulerSeams:
             if request.num_preemptions and num_external_tokens:
                 r = request.request_id
                 self.restored[r] = self.restored.get(r, 0) + int(num_external_tokens)
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def on_matched(self, request: Any, result: Any) -> None:
+        """After get_num_new_matched_tokens, for every waiting request each
+        scheduling pass: only the transitions are offered."""
+        try:
+            r = request.request_id
+            if result[0] is None:
+                n = self.waits.get(r)
+                if n is None:
+                    self.waits[r] = 1
+                    self.offer((self.consumer, ev.S_WAIT, _now(), r))
+                else:
+                    self.waits[r] = n + 1
+            elif r in self.waits:
+                self.offer((self.consumer, ev.S_WAIT_END, _now(), r, self.waits.pop(r), True))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -189,6 +226,9 @@ class SchedulerSeams:
             self.open.pop(r, None)
             self.discarded.pop(r, None)
             self.restored.pop(r, None)
+            passes = self.waits.pop(r, None)
+            if passes is not None:
+                self.offer((self.consumer, ev.S_WAIT_END, _now(), r, passes, False))
             self.offer((self.consumer, ev.S_FINISHED, _now(), r,
                         _FINISH_STATUS.get(getattr(request.status, "name", ""), ev.FINISHED_OK)))
         except Exception:
@@ -206,6 +246,11 @@ class SchedulerSeams:
             self.pipeline.close_observer(self.consumer)
         except Exception:
             self.pipeline.count_error("shutdown")
+
+    def unwrap(self) -> None:
+        if self.tier_seams is not None:
+            self.tier_seams.unwrap()
+            self.tier_seams = None
 
 
 class WorkerSeams:
@@ -373,7 +418,7 @@ class WorkerSeams:
         worker.get_finished = observed_get_finished
         self._wrapped.append((worker, ("submit_store", "submit_load", "get_finished")))
 
-    def unwrap_workers(self) -> None:
+    def unwrap(self) -> None:
         for worker, names in self._wrapped:
             for name in names:
                 worker.__dict__.pop(name, None)

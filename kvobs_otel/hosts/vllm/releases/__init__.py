@@ -32,6 +32,7 @@ CONNECTOR_WORKER = ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.wor
 COMMON = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
 OFFLOAD_BASE = "vllm.v1.kv_offload.base"
 SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+TIERING = "vllm.v1.kv_offload.tiering"
 
 # Refusal reasons (the ``reason`` of kvobs.host.refused).
 REFUSED_VERSION = "vllm_version_unsupported"
@@ -66,10 +67,27 @@ class Release:
     runners: tuple[str, ...] = ("v2",)
     # What a trace from this release lacks or adds, for the docs and doctor.
     notes: tuple[str, ...] = ()
+    # The secondary tiers' shape (TieringOffloadingSpec), checked apart: when
+    # it differs only the tiers go untraced (tier_seams.py).
+    tier_methods: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    tier_fields: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return ".".join(map(str, self.series))
+
+    def tier_problems(self) -> list[str]:
+        """Where the installed tiering classes differ from this release's
+        tier seams (empty: they fit). Checked once per process."""
+        got = _TIER_CHECKED.get(self.series)
+        if got is None:
+            got = _TIER_CHECKED[self.series] = (
+                _differences(self.tier_methods, self.tier_fields) if self.tier_methods
+                else [f"vLLM {self.name} declares no tier seams"])
+        return got
+
+
+_TIER_CHECKED: dict[tuple[int, int], list[str]] = {}
 
 
 def blocks(spec: Any) -> int:
@@ -167,8 +185,13 @@ def parameters(fn: Any) -> tuple[str, ...]:
 def check_shape(release: Release) -> list[str]:
     """Every difference between ``release``'s declared shape and the
     installed vLLM, one line each (empty: the seams fit)."""
+    return _differences(release.methods, release.dataclass_fields)
+
+
+def _differences(methods: Mapping[str, tuple[str, ...]],
+                 fields: Mapping[str, tuple[str, ...]]) -> list[str]:
     problems = []
-    for path, want in release.methods.items():
+    for path, want in methods.items():
         try:
             got = parameters(resolve(path))
         except Exception as e:  # missing module, class or method
@@ -176,7 +199,7 @@ def check_shape(release: Release) -> list[str]:
             continue
         if got != want:
             problems.append(f"{path}{_sig(got)}, expected {_sig(want)}")
-    for path, want in release.dataclass_fields.items():
+    for path, want in fields.items():
         try:
             cls = resolve(path)
             got = tuple(f.name for f in dataclasses.fields(cls))

@@ -13,6 +13,7 @@ from kvobs_otel.hosts.vllm.releases import (
     CONNECTOR_WORKER,
     OFFLOAD_BASE,
     SCHEDULER,
+    TIERING,
     Release,
     blocks,
 )
@@ -21,6 +22,7 @@ from kvobs_otel.hosts.vllm.releases import (
 METHODS: dict[str, tuple[str, ...]] = {
     f"{CONNECTOR}.__init__": ("self", "vllm_config", "role", "kv_cache_config"),
     f"{CONNECTOR}.on_new_request": ("self", "request"),
+    f"{CONNECTOR}.get_num_new_matched_tokens": ("self", "request", "num_computed_tokens"),
     f"{CONNECTOR}.update_state_after_alloc": ("self", "request", "blocks",
                                               "num_external_tokens"),
     f"{CONNECTOR}.build_connector_meta": ("self", "scheduler_output"),
@@ -53,6 +55,25 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Secondary tiers: vLLM's own tier-job hooks (TieringMetricsTracker) and the
+# promotion start; the same in 0.32, 0.33 and 0.34 (0.34 adds
+# JobResult.deferred_release, read when present).
+TIER_METHODS: dict[str, tuple[str, ...]] = {
+    f"{TIERING}.metrics:TieringMetricsTracker.on_job_registered": ("self", "job_metadata"),
+    f"{TIERING}.metrics:TieringMetricsTracker.on_job_finished": ("self", "job_metadata",
+                                                                 "result"),
+    f"{TIERING}.manager:TieringOffloadingManager._initiate_promotion": (
+        "self", "tier_idx", "key", "req_context"),
+    f"{TIERING}.base:SecondaryTierManager.__init__": (
+        "self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"),
+}
+TIER_FIELDS: dict[str, tuple[str, ...]] = {
+    f"{TIERING}.base:TransferJob": ("job_id", "keys", "is_promotion", "req_context"),
+    f"{TIERING}.base:JobResult": ("job_id", "success", "successful_keys", "transfer_time",
+                                  "transfer_bytes"),
+}
+
+
 def load_row(job_id: int, job: Any) -> tuple[Any, ...]:
     return (job_id, job.req_id, job.sync, blocks(job.dst_spec))
 
@@ -60,4 +81,5 @@ def load_row(job_id: int, job: Any) -> tuple[Any, ...]:
 RELEASE = Release(
     series=(0, 33), tested="0.33.0", methods=METHODS, dataclass_fields=FIELDS,
     load_row=load_row, runners=("v2", "v1"),
+    tier_methods=TIER_METHODS, tier_fields=TIER_FIELDS,
 )

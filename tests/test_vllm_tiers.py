@@ -1,0 +1,219 @@
+"""vLLM's secondary tiers (TieringOffloadingSpec) traced: its real tiering
+manager and a real ``fs`` tier in a temporary directory, behind the harness's
+CPU copy engine, on the installed release. Faults come from an out-of-tree
+tier wrapping the real fs tier (kvobs_otel/tools/harness/faulty_tier.py).
+Each trace is judged against what vLLM's tiering manager did, recorded as it
+ran (its job registry's calls), not against kvobs-otel's own checker."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import vllm
+from vllm.v1.kv_offload.tiering.metrics import TieringMetricsTracker
+
+from kvobs_otel import identity
+from kvobs_otel.hosts.vllm import releases
+from kvobs_otel.pipeline import current_pipeline
+from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
+from kvobs_otel.tools.harness.fabricate import random_tokens
+from kvobs_otel.tools.harness.workload import pressure_workload
+
+from chains import by_trace, view
+
+pytestmark = pytest.mark.vllm
+RELEASE = releases.select(vllm.__version__).release
+
+FAULTY = {"type": "FaultyFsTier", "module_path": "kvobs_otel.tools.harness.faulty_tier"}
+
+
+@contextlib.contextmanager
+def tier_journal():
+    """What vLLM's tiering manager did: every tier job its registry reported
+    to vLLM's own metrics tracker (patched on the class, below kvobs-otel's
+    instance wrappers), and each job's result as it came."""
+    jobs: dict[int, dict] = {}
+    registered = TieringMetricsTracker.on_job_registered
+    finished = TieringMetricsTracker.on_job_finished
+
+    def on_job_registered(self, job_metadata):
+        job = job_metadata.transfer_job
+        jobs[job.job_id] = dict(tier=job_metadata.tier_idx, promotion=job.is_promotion,
+                                req=job.req_context.req_id, chunks=len(job.keys), result=None)
+        return registered(self, job_metadata)
+
+    def on_job_finished(self, job_metadata, result):
+        ok = result.successful_keys
+        jobs[result.job_id]["result"] = (bool(result.success), result.transfer_bytes,
+                                         None if ok is None else len(ok))
+        return finished(self, job_metadata, result)
+
+    TieringMetricsTracker.on_job_registered = on_job_registered
+    TieringMetricsTracker.on_job_finished = on_job_finished
+    try:
+        yield jobs
+    finally:
+        TieringMetricsTracker.on_job_registered = registered
+        TieringMetricsTracker.on_job_finished = finished
+
+
+def tier_spans(spans) -> dict[int, object]:
+    return {s.attrs["kvobs.tier.job.id"]: s for s in spans if s.name == "kv.tier.job"}
+
+
+def test_every_tier_job_is_a_span_in_its_request_or_episode_trace(observe):
+    with tier_journal() as journal, Harness(HarnessConfig(num_ranks=2, tier="fs",
+                                                          num_cpu_chunks=16)) as h:
+        pressure_workload(h)
+        h.run_until_idle(2000)
+        gen = h.scheduler.connector.__dict__["_kvobs"].gen
+    current_pipeline().flush()
+    spans = [view(s) for s in observe.spans()]
+    tier = tier_spans(spans)
+    assert journal and set(tier) == set(journal)
+    assert any(not j["promotion"] for j in journal.values())
+    traces = by_trace(observe.spans())
+    for job_id, job in journal.items():
+        s = tier[job_id]
+        success, size, _ok = job["result"]
+        assert s.attrs["kvobs.tier.job.kind"] == ("promotion" if job["promotion"] else "cascade")
+        assert (s.attrs["kvobs.tier.index"], s.attrs["kvobs.tier.type"]) == (job["tier"], "fs")
+        assert s.attrs["kvobs.tier.medium"] == "storage"
+        assert s.attrs["kvobs.request.id"] == job["req"]
+        assert s.attrs["kvobs.tier.chunks"] == job["chunks"]
+        assert s.attrs["kvobs.outcome"] == ("ok" if success else "failed") and not s.error
+        assert s.attrs.get("kvobs.bytes") == size
+        assert s.span_id == identity.tier_job_span_id(gen, job_id)  # not a connector job's id
+        # Its trace: the open episode's, else the request's ordinary one.
+        epoch = s.attrs.get("kvobs.recovery.epoch", 0)
+        root = [x for x in traces[s.trace_id] if x.parent_id is None]
+        assert len(root) == 1 and s.parent_id == root[0].span_id
+        assert root[0].name == ("kv.recovery" if epoch else "kv.request")
+        if epoch:
+            assert job_id in root[0].attrs["kvobs.tier.job_ids"]
+
+
+PROMPT = random_tokens(7, "disk", 64, 512)
+
+
+def kv_on_disk(h: Harness) -> None:
+    """A prompt computed once, cascaded to fs and evicted from the small CPU
+    tier by others; then asked again ("again"): vLLM promotes it from fs
+    before loading it (on every release: it is a new request)."""
+    h.add_request("first", PROMPT, max_tokens=2)
+    h.run_until_idle(300)
+    for i in range(3):
+        h.add_request(f"filler{i}", 64, max_tokens=2)
+        h.run_until_idle(300)
+    h.evict_gpu_prefix_cache()
+    h.add_request("again", PROMPT, max_tokens=2)
+
+
+def test_a_request_whose_kv_is_on_disk_waits_for_its_promotion_in_its_trace(observe):
+    with tier_journal() as journal, Harness(HarnessConfig(num_ranks=2, tier="fs",
+                                                          num_cpu_chunks=8)) as h:
+        kv_on_disk(h)
+        h.run_until_idle(300)
+    current_pipeline().flush()
+    promotions = {j: x for j, x in journal.items() if x["promotion"] and x["req"] == "again"}
+    assert promotions, journal
+    spans = [view(s) for s in observe.spans()]
+    tier = tier_spans(spans)
+    (root,) = [s for s in spans if s.name == "kv.request" and s.attrs["kvobs.request.id"]
+               == "again"]
+    trace = [s for s in spans if s.trace_id == root.trace_id]
+    for job_id in promotions:
+        assert tier[job_id].trace_id == root.trace_id
+        assert tier[job_id].attrs["kvobs.outcome"] == "ok"
+    (wait,) = [s for s in trace if s.name == "kv.wait"]
+    assert "promotion" in wait.attrs["kvobs.wait.reasons"] and wait.attrs["kvobs.wait.passes"] >= 1
+    assert wait.attrs["kvobs.tier.indexes"] == [0]
+    # The wait covers the promotion; the GPU <- CPU load follows it.
+    first = min(tier[j].start_ns for j in promotions)
+    assert wait.start_ns <= first and wait.end_ns >= max(tier[j].end_ns for j in promotions)
+    loads = [s for s in trace if s.name == "kv.job" and s.attrs["kvobs.job.kind"] == "load"]
+    assert loads and min(s.start_ns for s in loads) >= wait.end_ns
+
+
+def faulty_run(fault: dict, workload=pressure_workload, steps_after=None):
+    with tier_journal() as journal, Harness(HarnessConfig(
+            num_ranks=2, tier="fs", num_cpu_chunks=8 if workload is kv_on_disk else 16,
+            tier_config={**FAULTY, "fault": fault})) as h:
+        workload(h)
+        if steps_after is not None:
+            steps_after(h, journal)
+        h.run_until_idle(3000)
+        tier = h.scheduler.connector.connector_scheduler.manager.secondary_tiers[0]
+        faulted = dict(tier.faulted)
+    current_pipeline().flush()
+    return journal, faulted
+
+
+def test_a_failed_promotion_is_an_error_span_and_the_request_recomputes(observe):
+    journal, faulted = faulty_run({"kind": "promotion", "mode": "fail"}, kv_on_disk)
+    failed = {j for j, mode in faulted.items() if mode == "fail"}
+    assert failed and all(journal[j]["result"][0] is False for j in failed)
+    spans = [view(s) for s in observe.spans()]
+    tier = tier_spans(spans)
+    (root,) = [s for s in spans if s.name == "kv.request" and s.attrs["kvobs.request.id"]
+               == "again"]
+    for j in failed:
+        assert tier[j].error and tier[j].attrs["kvobs.outcome"] == "failed"
+        assert tier[j].trace_id == root.trace_id
+    # Nothing came back from the tier: vLLM loaded nothing for it.
+    assert not [s for s in spans if s.trace_id == root.trace_id and s.name == "kv.job"
+                and s.attrs["kvobs.job.kind"] == "load"]
+
+
+def test_a_failed_promotion_of_a_preempted_request_is_a_recomputed_episode(observe):
+    if not RELEASE.series >= (0, 34):
+        pytest.skip("vLLM < 0.34's fs tier never promotes a preempted request's own prompt "
+                    "(it keeps its first 'absent' answer)")
+    journal, faulted = faulty_run({"kind": "promotion", "mode": "fail"})
+    failed = {j for j, mode in faulted.items() if mode == "fail"}
+    assert failed and all(journal[j]["result"][0] is False for j in failed)
+    spans = [view(s) for s in observe.spans()]
+    eps = [s for s in spans if s.name == "kv.recovery"
+           and set(s.attrs.get("kvobs.tier.job_ids", ())) & failed]
+    assert eps
+    for ep in eps:
+        assert ep.attrs["kvobs.outcome"] == "recomputed"
+        assert ep.attrs["kvobs.recompute.reason"] == "promotion_failed"
+    assert observe.metric_total("kvobs.recovery.episodes", outcome="recomputed") >= len(eps)
+
+
+def test_a_hung_promotion_is_an_error_while_it_hangs(observe):
+    seen: dict[str, object] = {}
+
+    def while_hung(h, journal):
+        # The engine keeps stepping while the promotion hangs (vLLM's request
+        # waits for it): the ERROR span must come now, not at shutdown.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "span" not in seen:
+            h.step()
+            current_pipeline().drain_once()
+            hung = [view(s) for s in observe.spans("kv.tier.job")
+                    if s.attributes.get("kvobs.outcome") == "hung"]
+            if hung:
+                seen["span"] = hung[0]
+                seen["result"] = journal[hung[0].attrs["kvobs.tier.job.id"]]["result"]
+            time.sleep(0.05)
+        # Then until the tier answers (late), and vLLM carries on.
+        while time.monotonic() < deadline and "span" in seen and journal[
+                seen["span"].attrs["kvobs.tier.job.id"]]["result"] is None:
+            h.step()
+            time.sleep(0.02)
+
+    journal, faulted = faulty_run({"kind": "promotion", "mode": "hang", "delay_s": 3.0,
+                                   "count": 1}, kv_on_disk, steps_after=while_hung)
+    assert "span" in seen, f"no hung tier job reported (faulted: {faulted})"
+    span = seen["span"]
+    assert seen["result"] is None  # vLLM still had no result for it
+    assert span.error and span.attrs["kvobs.tier.type"] == "FaultyFsTier"
+    assert span.attrs["kvobs.request.id"] == "again"
+    assert faulted[span.attrs["kvobs.tier.job.id"]] == "hang"
+    # The late result is counted, not a second span.
+    assert [s.attributes["kvobs.tier.job.id"] for s in observe.spans("kv.tier.job")].count(
+        span.attrs["kvobs.tier.job.id"]) == 1

@@ -389,4 +389,6 @@ class SchedulerLifecycle:
 
     def anomalies(self) -> dict[str, int]:
         return {"late_receipt": self.late_receipts, "unknown_job_receipt": self.unknown_receipts,
-                "duplicate_receipt": self.duplicate_receipts, **self.tier.anomalies()}
+                "duplicate_receipt": self.duplicate_receipts,
+                # (only with secondary tiers: no series nobody can have)
+                **(self.tier.anomalies() if self.tier.tiers else {})}

@@ -70,6 +70,10 @@ def tier_job_span_id(sched_gen: str, tier_job_id: int) -> int:
     return _nonzero(int.from_bytes(_digest("tier-job", sched_gen, tier_job_id)[:8], "big"))
 
 
+def wait_span_id(sched_gen: str, req_id: str, start_ns: int) -> int:
+    return _nonzero(int.from_bytes(_digest("wait", sched_gen, req_id, start_ns)[:8], "big"))
+
+
 @functools.lru_cache(maxsize=16384)  # the same keys recur for every span
 def admission_span_id(sched_gen: str, req_id: str, epoch: int) -> int:
     return _nonzero(int.from_bytes(_digest("admission", sched_gen, req_id, epoch)[:8], "big"))

@@ -78,6 +78,7 @@ class Observer:
             self.providers,
             open_receipts=((lambda: lc.open_receipts) if hasattr(lc, "open_receipts") else None),
             anomalies=lc.anomalies, refused=getattr(lc, "refusals", None),
+            tiers=getattr(lc, "tier", None),
             scheduler=lc.role == "scheduler",
             worker_rank=getattr(lc, "rank", None) if lc.role == "worker" else None)
         self.closed = False

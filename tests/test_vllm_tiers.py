@@ -93,6 +93,13 @@ def test_every_tier_job_is_a_span_in_its_request_or_episode_trace(observe):
         assert root[0].name == ("kv.recovery" if epoch else "kv.request")
         if epoch:
             assert job_id in root[0].attrs["kvobs.tier.job_ids"]
+    # The metrics say the same, by tier, kind and outcome.
+    for kind, promotion in (("cascade", False), ("promotion", True)):
+        mine = [j for j in journal.values() if j["promotion"] is promotion]
+        assert observe.metric_total("kvobs.tier.jobs", tier="fs", kind=kind,
+                                    outcome="ok") == len(mine)
+        assert observe.metric_total("kvobs.tier.bytes", tier="fs", kind=kind) == sum(
+            j["result"][1] or 0 for j in mine)
 
 
 PROMPT = random_tokens(7, "disk", 64, 512)
@@ -162,6 +169,8 @@ def test_a_failed_promotion_is_an_error_span_and_the_request_recomputes(observe)
     for j in failed:
         assert tier[j].error and tier[j].attrs["kvobs.outcome"] == "failed"
         assert tier[j].trace_id == root.trace_id
+    assert observe.metric_total("kvobs.tier.jobs", kind="promotion",
+                                outcome="failed") == len(failed)
     # Nothing came back from the tier: vLLM loaded nothing for it.
     assert not [s for s in spans if s.trace_id == root.trace_id and s.name == "kv.job"
                 and s.attrs["kvobs.job.kind"] == "load"]
@@ -214,6 +223,29 @@ def test_a_hung_promotion_is_an_error_while_it_hangs(observe):
     assert span.error and span.attrs["kvobs.tier.type"] == "FaultyFsTier"
     assert span.attrs["kvobs.request.id"] == "again"
     assert faulted[span.attrs["kvobs.tier.job.id"]] == "hang"
+    assert observe.metric_total("kvobs.tier.jobs", tier="FaultyFsTier", kind="promotion",
+                                outcome="hung") == 1
     # The late result is counted, not a second span.
     assert [s.attributes["kvobs.tier.job.id"] for s in observe.spans("kv.tier.job")].count(
         span.attrs["kvobs.tier.job.id"]) == 1
+
+
+def test_tiers_whose_classes_changed_are_refused_and_gpu_cpu_tracing_goes_on(
+        observe, monkeypatch):
+    # As if vLLM renamed a parameter of its tracker hook: the tier seams no
+    # longer fit this vLLM, and must not be attached.
+    def on_job_finished(self, job_metadata, job_result):
+        return original(self, job_metadata, job_result)
+
+    original = TieringMetricsTracker.on_job_finished
+    monkeypatch.setattr(TieringMetricsTracker, "on_job_finished", on_job_finished)
+    monkeypatch.setattr(releases, "_TIER_CHECKED", {})
+    with Harness(HarnessConfig(num_ranks=2, tier="fs", num_cpu_chunks=16)) as h:
+        pressure_workload(h)
+        h.run_until_idle(2000)
+        manager = h.scheduler.connector.connector_scheduler.manager
+        assert "on_job_finished" not in vars(manager._metrics)  # untouched
+    current_pipeline().flush()
+    assert not observe.spans("kv.tier.job")
+    assert observe.spans("kv.recovery") and observe.spans("kv.transfer")
+    assert observe.metric_total("kvobs.host.refused", reason="vllm_tier_shape_changed") == 1

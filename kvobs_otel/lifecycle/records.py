@@ -73,6 +73,17 @@ TIER_STALLED = "tier_stalled"
 WAIT_TRANSFER = "transfer_in_flight"  # its own offload job was still running
 WAIT_PROMOTION = "promotion"  # a secondary tier promoted its KV to CPU
 WAIT_LOOKUP = "lookup"  # the connector could not answer yet (an async tier lookup)
+_WAIT_RANK = (WAIT_PROMOTION, WAIT_TRANSFER, WAIT_LOOKUP)
+
+
+def main_wait_reason(reasons: list[str]) -> str:
+    """The one reason a wait is counted under (a metric label)."""
+    for reason in _WAIT_RANK:
+        if reason in reasons:
+            return reason
+    return WAIT_LOOKUP
+
+
 WAIT_ANSWERED = "answered"
 WAIT_REQUEST_ENDED = "request_ended"
 # Why KV that was offloaded did not come back (kvobs.recompute.reason).

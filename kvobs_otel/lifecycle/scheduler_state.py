@@ -104,7 +104,8 @@ class SchedulerLifecycle:
 
     def __init__(self, sched_gen: str, world_size: int, deadline_s: float,
                  sink: RecordSink, progress: Callable[[], int] | None = None,
-                 tiers: list[tuple[str, str, str]] | None = None) -> None:
+                 tiers: list[tuple[str, str, str]] | None = None,
+                 tiers_refused: bool = False) -> None:
         self.gen = sched_gen
         self.progress = progress
         self._steps = 0  # progress() as read at the previous tick
@@ -118,10 +119,16 @@ class SchedulerLifecycle:
         # Secondary tiers' jobs and the connector's waits; tiers: (type,
         # medium, locality) by tier index, None when the spec has none.
         self.tier = TierLedger(self, [tuple(t) for t in tiers or ()])  # type: ignore[misc]
+        # The spec has secondary tiers, but this vLLM's tiering classes do not
+        # fit the tier seams: GPU <-> CPU is traced, the tiers are not.
+        self.tiers_refused = tiers_refused
         # Counters the metric builder reads.
         self.late_receipts = 0
         self.unknown_receipts = 0
         self.duplicate_receipts = 0
+
+    def refusals(self) -> dict[str, int]:
+        return {"vllm_tier_shape_changed": 1} if self.tiers_refused else {}
 
     # -- dispatch ------------------------------------------------------------
     def handle(self, event: tuple[Any, ...]) -> None:

@@ -11,6 +11,7 @@ request had open while it waited.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,7 @@ class TierLedger:
         # Counters the metric builder reads.
         self.late_results = 0
         self.unknown_results = 0
-        self.no_room: dict[int, int] = {}  # tier -> promotions without a free CPU chunk
+        self.no_room_count: dict[int, int] = {}  # tier -> promotions without a free CPU chunk
 
     # -- tier jobs ---------------------------------------------------------------
     def job(self, t: int, tier: int, job_id: int, is_promotion: bool, req_id: str,
@@ -98,7 +99,7 @@ class TierLedger:
         self._closed(t, job.req_id)
 
     def no_room(self, t: int, tier: int, req_id: str) -> None:
-        self.no_room[tier] = self.no_room.get(tier, 0) + 1
+        self.no_room_count[tier] = self.no_room_count.get(tier, 0) + 1
         ep = self.owner.episodes.get(req_id)
         if ep is not None and ep.admitted_ns is None:
             ep.recompute_reason = ep.recompute_reason or rec.RECOMPUTE_NO_ROOM
@@ -127,6 +128,20 @@ class TierLedger:
             r.open_jobs -= 1
             r.last_ns = max(r.last_ns, t)
             o._maybe_end_request(req_id, r, cause=cause)
+
+    def open_state(self) -> dict[tuple[str, str], tuple[int, float]]:
+        """{(tier type, kind): (open jobs, oldest age in s)}, for the gauges
+        (read on the metric reader's thread: a copy of the table first)."""
+        now = time.monotonic_ns()
+        out: dict[tuple[str, str], tuple[int, float]] = {}
+        for job in list(self.jobs.values()):
+            key = (self._tier(job.tier)[0], rec.PROMOTION if job.is_promotion else rec.CASCADE)
+            n, age = out.get(key, (0, 0.0))
+            out[key] = (n + 1, max(age, (now - job.start_ns) * 1e-9))
+        for kind, _m, _l in self.tiers:
+            for k in (rec.PROMOTION, rec.CASCADE):
+                out.setdefault((kind, k), (0, 0.0))
+        return out
 
     # -- waits -------------------------------------------------------------------
     def wait(self, t: int, req_id: str) -> None:

@@ -39,6 +39,7 @@ class MetricsBuilder:
                  anomalies: Callable[[], dict[str, int]] | None = None,
                  refused: Callable[[], dict[str, int]] | None = None,
                  exported: Callable[[], dict[str, int]] | None = None,
+                 tiers: Any = None,
                  scheduler: bool = False, worker_rank: int | None = None) -> None:
         m = providers.meter_provider.get_meter(SCOPE)
         self._meter = m
@@ -67,7 +68,7 @@ class MetricsBuilder:
         self.first_compute = self._counter("kvobs.first_compute", "{event}",
                                            "First computes after recovery",
                                            ("rank", "compute_kind"))
-        h = providers.histograms
+        h = self._histograms = providers.histograms
         self.duration = h.create(
             "kvobs.transfer.duration", "s",
             "Transfer duration: clock=host (submit->result) or device", LATENCY_BUCKETS)
@@ -75,7 +76,11 @@ class MetricsBuilder:
                                  LATENCY_BUCKETS)
         self.admission_wait = h.create("kvobs.admission.wait", "s",
                                        "Restore received -> re-admission", LATENCY_BUCKETS)
+        self.wait = None
         if scheduler:
+            self.wait = h.create("kvobs.wait.duration", "s",
+                                 "Connector's first 'not yet' -> its answer, by main reason",
+                                 LATENCY_BUCKETS)
             # Counters an alert takes increase() of start at 0: a series whose
             # first sample is already 1 shows no increase to Prometheus.
             for kind in ("load", "store"):
@@ -86,6 +91,9 @@ class MetricsBuilder:
                             rec.FIRST_COMPUTE_INCOMPLETE, rec.ABANDONED, rec.RESTORE_FAILED,
                             rec.RECOMPUTED):
                 self.episodes[(outcome,)] += 0
+        self._tiers: list[Any] = []
+        if tiers is not None and tiers.tiers:
+            self._tier_metrics(m, tiers)
         if worker_rank is not None:
             # Failed transfers (vLLM 0.34+) from 0, for rate() and increase().
             for direction in ("d2h", "h2d"):
@@ -112,6 +120,44 @@ class MetricsBuilder:
             if source is not None:
                 m.create_observable_counter(name, unit=unit, description=description,
                                             callbacks=[self._by(key, source)])
+
+    def _tier_metrics(self, m: Any, ledger: Any) -> None:
+        """Secondary tiers (only where the spec has them): vLLM exports the
+        per-tier aggregates itself; these add the outcome and, through
+        exemplars, the request or episode trace."""
+        self.tier_jobs = self._counter(
+            "kvobs.tier.jobs", "{job}", "Secondary-tier jobs by tier, kind and outcome",
+            ("tier", "tier_index", "kind", "outcome"))
+        self.tier_bytes = self._counter("kvobs.tier.bytes", "By",
+                                        "Bytes secondary-tier jobs moved", ("tier", "kind"))
+        m.create_observable_counter(
+            "kvobs.tier.promotion.no_room", unit="{chunk}",
+            description="Secondary hits not promoted: no free CPU chunk",
+            callbacks=[lambda _o: [Observation(n, {"tier": ledger._tier(i)[0]})
+                                   for i, n in list(ledger.no_room_count.items())]])
+        self.tier_duration = self._histograms.create(
+            "kvobs.tier.job.duration", "s", "Secondary-tier job: registered -> result seen",
+            LATENCY_BUCKETS)
+        for i, (kind_name, _medium, _loc) in enumerate(ledger.tiers):
+            for kind in (rec.PROMOTION, rec.CASCADE):
+                for outcome in (rec.TIER_FAILED, rec.TIER_HUNG):
+                    self.tier_jobs[(kind_name, i, kind, outcome)] += 0
+        self._tiers = ledger.tiers
+
+        def open_jobs(_o: CallbackOptions) -> list[Observation]:
+            return [Observation(n, {"tier": t, "kind": k}) for (t, k), (n, _a)
+                    in ledger.open_state().items()]
+
+        def oldest(_o: CallbackOptions) -> list[Observation]:
+            return [Observation(a, {"tier": t, "kind": k}) for (t, k), (_n, a)
+                    in ledger.open_state().items()]
+
+        m.create_observable_gauge("kvobs.tier.jobs.open", unit="{job}",
+                                  description="Secondary-tier jobs without a result yet",
+                                  callbacks=[open_jobs])
+        m.create_observable_gauge("kvobs.tier.jobs.oldest_age", unit="s",
+                                  description="Age of the oldest secondary-tier job without a "
+                                              "result", callbacks=[oldest])
 
     def _counter(self, name: str, unit: str, description: str,
                  keys: tuple[str, ...]) -> Counter[tuple[Any, ...]]:
@@ -165,3 +211,18 @@ class MetricsBuilder:
                     self.tokens[(source,)] += n
         elif isinstance(r, rec.FirstComputeRecord):
             self.first_compute[(r.rank, r.compute_kind)] += 1
+        elif isinstance(r, rec.TierJobRecord) and self._tiers:
+            self.tier_jobs[(r.tier_type, r.tier_index, r.kind, r.outcome)] += 1
+            if r.size_bytes:
+                self.tier_bytes[(r.tier_type, r.kind)] += int(r.size_bytes)
+            if r.outcome != rec.TIER_HUNG and not rec.stopped(r.outcome, r.end_cause):
+                self.tier_duration.record(
+                    (("tier", r.tier_type), ("kind", r.kind)), (r.end_ns - r.start_ns) * _NS,
+                    identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch),
+                    identity.tier_job_span_id(r.sched_gen, r.tier_job_id))
+        elif (isinstance(r, rec.WaitRecord) and r.outcome == rec.WAIT_ANSWERED
+              and self.wait is not None):
+            self.wait.record((("reason", rec.main_wait_reason(r.reasons)),),
+                             (r.end_ns - r.start_ns) * _NS,
+                             identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch),
+                             identity.wait_span_id(r.sched_gen, r.req_id, r.start_ns))

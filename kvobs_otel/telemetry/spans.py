@@ -365,6 +365,7 @@ class SpanBuilder:
         if r.end_cause:
             attrs[A.END_CAUSE] = r.end_cause
         self._span(A.SPAN_WAIT, root, r.start_ns, r.end_ns, attrs,
+                   span_id=identity.wait_span_id(r.sched_gen, r.req_id, r.start_ns),
                    error="wait_hung" if r.outcome == rec.TIER_HUNG else None)
 
     def _process_end(self, r: rec.ProcessEndRecord) -> None:

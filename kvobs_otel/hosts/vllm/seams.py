@@ -68,7 +68,7 @@ class SchedulerSeams:
         # while the engine steps (scheduler_state.py).
         self.steps = 0
         manager = tiering_manager(connector)
-        tiers = None
+        tiers, refused = None, False
         if manager is not None:
             problems = release.tier_problems()
             if problems:
@@ -76,15 +76,15 @@ class SchedulerSeams:
                 logger.warning("kvobs-otel: vLLM's secondary tiers are not traced: its tiering "
                                "classes differ from the %s seams: %s", release.name,
                                "; ".join(problems))
-                pipeline.count_error("tier_refused", quiet=True)
-                manager = None
+                manager, refused = None, True
             else:
                 tiers = [describe(t) for t in manager.secondary_tiers]
         # The lifecycle is made where the events are exported (a sidecar by
         # default): described here, by a class and plain values.
         self.consumer = pipeline.register(
             (SchedulerLifecycle, {"sched_gen": self.gen, "world_size": world,
-                                  "deadline_s": settings.receipt_deadline_s, "tiers": tiers}),
+                                  "deadline_s": settings.receipt_deadline_s, "tiers": tiers,
+                                  "tiers_refused": refused}),
             _resource(connector, settings, "scheduler"), progress=lambda: self.steps)
         self.offer = pipeline.offer
         self.tier_seams = (TierSeams(manager, self.offer, self.consumer, pipeline.count_error)

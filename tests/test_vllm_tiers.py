@@ -12,6 +12,7 @@ import time
 
 import pytest
 import vllm
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.metrics import TieringMetricsTracker
 
 from kvobs_otel import identity
@@ -29,14 +30,30 @@ RELEASE = releases.select(vllm.__version__).release
 FAULTY = {"type": "FaultyFsTier", "module_path": "kvobs_otel.tools.harness.faulty_tier"}
 
 
+class Journal(dict):
+    """tier job id -> what vLLM did with it; ``skipped``: the chunks of each
+    cascade vLLM's back-pressure dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: list[int] = []
+
+
 @contextlib.contextmanager
 def tier_journal():
     """What vLLM's tiering manager did: every tier job its registry reported
     to vLLM's own metrics tracker (patched on the class, below kvobs-otel's
     instance wrappers), and each job's result as it came."""
-    jobs: dict[int, dict] = {}
+    jobs = Journal()
     registered = TieringMetricsTracker.on_job_registered
     finished = TieringMetricsTracker.on_job_finished
+    should_store = TieringOffloadingManager._should_store_to_tier
+
+    def _should_store_to_tier(self, tier, num_blocks):
+        store = should_store(self, tier, num_blocks)
+        if not store:
+            jobs.skipped.append(num_blocks)
+        return store
 
     def on_job_registered(self, job_metadata):
         job = job_metadata.transfer_job
@@ -52,11 +69,13 @@ def tier_journal():
 
     TieringMetricsTracker.on_job_registered = on_job_registered
     TieringMetricsTracker.on_job_finished = on_job_finished
+    TieringOffloadingManager._should_store_to_tier = _should_store_to_tier
     try:
         yield jobs
     finally:
         TieringMetricsTracker.on_job_registered = registered
         TieringMetricsTracker.on_job_finished = finished
+        TieringOffloadingManager._should_store_to_tier = should_store
 
 
 def tier_spans(spans) -> dict[int, object]:
@@ -249,3 +268,37 @@ def test_tiers_whose_classes_changed_are_refused_and_gpu_cpu_tracing_goes_on(
     assert not observe.spans("kv.tier.job")
     assert observe.spans("kv.recovery") and observe.spans("kv.transfer")
     assert observe.metric_total("kvobs.host.refused", reason="vllm_tier_shape_changed") == 1
+
+
+def test_a_failed_cascade_is_an_error_span_and_counted(observe):
+    journal, faulted = faulty_run({"kind": "cascade", "mode": "fail", "count": 3})
+    failed = {j for j, mode in faulted.items() if mode == "fail"}
+    assert len(failed) == 3 and all(journal[j]["result"][0] is False for j in failed)
+    tier = tier_spans([view(s) for s in observe.spans()])
+    for j in failed:
+        assert tier[j].error and tier[j].attrs["kvobs.tier.job.kind"] == "cascade"
+        assert tier[j].attrs["kvobs.outcome"] == "failed"
+    assert observe.metric_total("kvobs.tier.jobs", kind="cascade", outcome="failed") == 3
+
+
+BACKPRESSURE = {
+    # vLLM's own detector and policy, with water marks any store exceeds: on
+    # after the first cascade, then every cascade is dropped.
+    "backpressure_cls": "vllm.v1.kv_offload.tiering.backpressure.EMABackpressureDetector",
+    "policy_cls": "vllm.v1.kv_offload.tiering.backpressure.DropStorePolicy",
+    "high_water_s": 1e-12, "low_water_s": 1e-13, "warmup_completions": 1,
+    "decay_half_life_s": 3600.0}
+
+
+def test_cascades_back_pressure_drops_are_counted_where_vllm_dropped_them(observe):
+    with tier_journal() as journal, Harness(HarnessConfig(
+            num_ranks=2, tier="fs", num_cpu_chunks=16,
+            tier_config={"backpressure": BACKPRESSURE})) as h:
+        pressure_workload(h)
+        h.run_until_idle(2000)
+    current_pipeline().flush()
+    assert journal.skipped, "vLLM's back-pressure must drop cascades in this run"
+    assert observe.metric_total("kvobs.tier.cascade.skipped", tier="fs") == sum(journal.skipped)
+    assert observe.metric_total("kvobs.tier.backpressure", tier="fs") == 1
+    # Only the cascades vLLM submitted are spans.
+    assert len(tier_spans([view(s) for s in observe.spans()])) == len(journal)

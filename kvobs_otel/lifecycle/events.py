@@ -42,6 +42,11 @@ S_TIER_JOB = 9
 S_TIER_DONE = 10
 # A secondary hit whose promotion found no free CPU chunk: (tier_idx, req_id)
 S_TIER_NO_ROOM = 16
+# A cascade the tier's back-pressure detector declined: (tier_idx,
+# req_id | None, chunks)
+S_TIER_SKIP = 17
+# A tier's back-pressure turned on or off: (tier_idx, on: bool)
+S_TIER_PRESSURE = 18
 
 # Worker role ----------------------------------------------------------------
 # (sched_gen, loads: ((job_id, req_id, blocks), ...), stores: same,

@@ -89,6 +89,10 @@ WAIT_REQUEST_ENDED = "request_ended"
 # Why KV that was offloaded did not come back (kvobs.recompute.reason).
 RECOMPUTE_PROMOTION_FAILED = "promotion_failed"
 RECOMPUTE_NO_ROOM = "promotion_allocation_failed"
+# A cascade of the episode's KV failed, or back-pressure kept it off the tier:
+# named only when the episode then recomputed and nothing else explains it.
+RECOMPUTE_CASCADE_FAILED = "cascade_failed"
+RECOMPUTE_CASCADE_DROPPED = "cascade_dropped"
 
 
 @dataclass(slots=True)

@@ -74,6 +74,7 @@ class _Episode:
     failed_tier_jobs: list[int] = field(default_factory=list)
     promoted: dict[int, int] = field(default_factory=dict)  # tier -> chunks
     recompute_reason: str | None = None
+    cascade_lost: str | None = None  # RECOMPUTE_CASCADE_*: a weaker explanation
     wait_end_ns: int | None = None  # the connector's answer after "not yet"
 
 
@@ -151,6 +152,10 @@ class SchedulerLifecycle:
             self.tier.done(t, *event[3:])
         elif kind == ev.S_TIER_NO_ROOM:
             self.tier.no_room(t, *event[3:])
+        elif kind == ev.S_TIER_SKIP:
+            self.tier.skipped(t, *event[3:])
+        elif kind == ev.S_TIER_PRESSURE:
+            self.tier.pressure[event[3]] = bool(event[4])
         elif kind == ev.S_RESET:
             for ep in self.episodes.values():
                 ep.events.append(rec.EpisodeEvent("kv.cache_reset", t))
@@ -347,8 +352,8 @@ class SchedulerLifecycle:
             tokens_recomputed=recomputed,
             end_cause=cause if outcome == rec.ABANDONED else None,
             tier_jobs=ep.tier_jobs, promoted_chunks=dict(ep.promoted),
-            recompute_reason=ep.recompute_reason if recomputed or outcome in (
-                rec.RECOMPUTED, rec.TIER_STALLED) else None))
+            recompute_reason=(ep.recompute_reason or ep.cascade_lost) if recomputed
+            or outcome in (rec.RECOMPUTED, rec.TIER_STALLED) else None))
 
     # -- time ---------------------------------------------------------------------------
     def tick(self, now: int) -> None:

@@ -55,6 +55,8 @@ class TierLedger:
         self.late_results = 0
         self.unknown_results = 0
         self.no_room_count: dict[int, int] = {}  # tier -> promotions without a free CPU chunk
+        self.skipped_chunks: dict[int, int] = {}  # tier -> chunks back-pressure kept off it
+        self.pressure: dict[int, bool] = {}  # tier -> back-pressure on
 
     # -- tier jobs ---------------------------------------------------------------
     def job(self, t: int, tier: int, job_id: int, is_promotion: bool, req_id: str,
@@ -90,6 +92,9 @@ class TierLedger:
             outcome = rec.TIER_PARTIAL if ok else rec.TIER_FAILED
         self._emit(job_id, job, t, outcome, ok, size, io_time, deferred)
         ep = self.owner.episodes.get(job.req_id)
+        if (not job.is_promotion and outcome != rec.TIER_OK and ep is not None
+                and ep.admitted_ns is None):
+            ep.cascade_lost = rec.RECOMPUTE_CASCADE_FAILED
         if job.is_promotion and ep is not None and ep.epoch == job.epoch and job.epoch:
             if ok:
                 ep.promoted[job.tier] = ep.promoted.get(job.tier, 0) + ok
@@ -105,6 +110,15 @@ class TierLedger:
             ep.recompute_reason = ep.recompute_reason or rec.RECOMPUTE_NO_ROOM
             ep.events.append(rec.EpisodeEvent("kv.tier.no_room", t, {
                 "kvobs.tier.index": tier, "kvobs.tier.type": self._tier(tier)[0]}))
+
+    def skipped(self, t: int, tier: int, req_id: str | None, chunks: int) -> None:
+        self.skipped_chunks[tier] = self.skipped_chunks.get(tier, 0) + chunks
+        ep = self.owner.episodes.get(req_id) if req_id is not None else None
+        if ep is not None and ep.admitted_ns is None:
+            ep.cascade_lost = ep.cascade_lost or rec.RECOMPUTE_CASCADE_DROPPED
+            ep.events.append(rec.EpisodeEvent("kv.tier.cascade_skipped", t, {
+                "kvobs.tier.index": tier, "kvobs.tier.type": self._tier(tier)[0],
+                "kvobs.tier.chunks": chunks}))
 
     def _tier(self, index: int) -> tuple[str, str, str]:
         return self.tiers[index] if 0 <= index < len(self.tiers) else ("unknown", "", "")

@@ -135,6 +135,17 @@ class MetricsBuilder:
             description="Secondary hits not promoted: no free CPU chunk",
             callbacks=[lambda _o: [Observation(n, {"tier": ledger._tier(i)[0]})
                                    for i, n in list(ledger.no_room_count.items())]])
+        m.create_observable_counter(
+            "kvobs.tier.cascade.skipped", unit="{chunk}",
+            description="Chunks a tier's back-pressure kept from cascading to it",
+            callbacks=[lambda _o: [Observation(n, {"tier": ledger._tier(i)[0]})
+                                   for i, n in list(ledger.skipped_chunks.items())]])
+        m.create_observable_gauge(
+            "kvobs.tier.backpressure", unit="1",
+            description="1 while a tier's back-pressure holds cascades back",
+            callbacks=[lambda _o: [Observation(int(ledger.pressure.get(i, False)),
+                                               {"tier": t[0], "tier_index": i})
+                                   for i, t in enumerate(ledger.tiers)]])
         self.tier_duration = self._histograms.create(
             "kvobs.tier.job.duration", "s", "Secondary-tier job: registered -> result seen",
             LATENCY_BUCKETS)

@@ -8,7 +8,11 @@ own job registry, which reports it to vLLM's ``TieringMetricsTracker``
 ``tier.submit_load``/``submit_store``, ``_process_finished_jobs`` for each
 ``JobResult``). The seams wrap that one tracker instance, so one generic
 seam sees every tier. A promotion that found no free CPU chunk is seen
-around ``TieringOffloadingManager._initiate_promotion`` (it returns False).
+around ``TieringOffloadingManager._initiate_promotion`` (it returns False), a
+cascade declined by back-pressure around ``_should_store_to_tier`` (inside
+``complete_store`` or ``_cascade_existing_chunks_to_request_level_tiers``,
+which say whose chunks they were), back-pressure turning on or off around
+``_update_backpressure``.
 
 These run under the tiering manager's lock, on the scheduler thread or
 (0.33+, tiers that poll off-thread, such as p2p) on vLLM's tier-poll
@@ -53,6 +57,14 @@ class TierSeams:
         tracker = manager._metrics
         registered, finished = tracker.on_job_registered, tracker.on_job_finished
         initiate = manager._initiate_promotion
+        complete, cascade_existing = (manager.complete_store,
+                                      manager._cascade_existing_chunks_to_request_level_tiers)
+        should_store, update_pressure = (manager._should_store_to_tier,
+                                         manager._update_backpressure)
+        tiers = list(manager.secondary_tiers)
+        # The request whose chunks complete_store / the request-level cascade
+        # is cascading now (under the manager's lock: one at a time).
+        current: list[Any] = [None]
 
         def on_job_registered(job_metadata: Any) -> None:
             registered(job_metadata)
@@ -83,9 +95,51 @@ class TierSeams:
                     count("seam")
             return started
 
+        def complete_store(keys: Any, req_context: Any, success: bool = True) -> None:
+            current[0] = req_context
+            try:
+                return complete(keys, req_context, success)
+            finally:
+                current[0] = None
+
+        def _cascade_existing_chunks_to_request_level_tiers(
+                keys: Any, req_context: Any, request_level_tiers: Any) -> None:
+            current[0] = req_context
+            try:
+                return cascade_existing(keys, req_context, request_level_tiers)
+            finally:
+                current[0] = None
+
+        def _should_store_to_tier(tier: Any, num_blocks: int) -> bool:
+            store = should_store(tier, num_blocks)
+            if not store:
+                try:
+                    ctx = current[0]
+                    offer((consumer, ev.S_TIER_SKIP, _now(), tiers.index(tier),
+                           None if ctx is None else ctx.req_id, int(num_blocks)))
+                except Exception:
+                    count("seam")
+            return store
+
+        def _update_backpressure(tier: Any, job_metadata: Any, completed_job: Any) -> None:
+            detector = tier.bp_detector
+            before = detector is not None and detector.is_under_pressure()
+            update_pressure(tier, job_metadata, completed_job)
+            try:
+                after = detector is not None and detector.is_under_pressure()
+                if after != before:
+                    offer((consumer, ev.S_TIER_PRESSURE, _now(), tiers.index(tier), after))
+            except Exception:
+                count("seam")
+
         self._wrapped = [(tracker, "on_job_registered", on_job_registered),
                          (tracker, "on_job_finished", on_job_finished),
-                         (manager, "_initiate_promotion", _initiate_promotion)]
+                         (manager, "_initiate_promotion", _initiate_promotion),
+                         (manager, "complete_store", complete_store),
+                         (manager, "_cascade_existing_chunks_to_request_level_tiers",
+                          _cascade_existing_chunks_to_request_level_tiers),
+                         (manager, "_should_store_to_tier", _should_store_to_tier),
+                         (manager, "_update_backpressure", _update_backpressure)]
         for obj, name, fn in self._wrapped:
             setattr(obj, name, fn)
 

@@ -64,6 +64,16 @@ TIER_METHODS: dict[str, tuple[str, ...]] = {
                                                                  "result"),
     f"{TIERING}.manager:TieringOffloadingManager._initiate_promotion": (
         "self", "tier_idx", "key", "req_context"),
+    f"{TIERING}.manager:TieringOffloadingManager.complete_store": (
+        "self", "keys", "req_context", "success"),
+    f"{TIERING}.manager:TieringOffloadingManager."
+    "_cascade_existing_chunks_to_request_level_tiers": (
+        "self", "keys", "req_context", "request_level_tiers"),
+    f"{TIERING}.manager:TieringOffloadingManager._should_store_to_tier": (
+        "self", "tier", "num_blocks"),
+    f"{TIERING}.manager:TieringOffloadingManager._update_backpressure": (
+        "self", "tier", "job_metadata", "completed_job"),
+    f"{TIERING}.backpressure:BackpressureDetector.is_under_pressure": ("self",),
     f"{TIERING}.base:SecondaryTierManager.__init__": (
         "self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"),
 }

@@ -14,7 +14,7 @@ FS = ("fs", "storage", "")
 
 def tiered(deadline: float = 1.0) -> tuple[SchedulerLifecycle, ListSink]:
     sink = ListSink()
-    return SchedulerLifecycle("g" * 32, 2, deadline, sink, tiers=[FS]), sink
+    return SchedulerLifecycle("g" * 32, 2, deadline, sink, tiers=[FS], tokens_per_chunk=16), sink
 
 
 def send(lc, kind, t, *fields):
@@ -34,7 +34,8 @@ def test_a_promotion_and_the_wait_belong_to_the_open_episode_and_admission_start
     preempted_and_promoting(lc)
     send(lc, ev.S_TIER_DONE, 40, 1, True, None, 4096, 0.01, False)
     send(lc, ev.S_WAIT_END, 45, "r", 3, True)
-    step(lc, 50, admitted=[("r", 1, "prefill", 0, 0)])
+    # 96 tokens loaded from CPU: 4 promoted chunks of 16, the rest in CPU all along.
+    step(lc, 50, admitted=[("r", 1, "prefill", 96, 96)])
     receipts(lc, 60, computed=[(0, "a", "r", 1), (1, "b", "r", 1)])
     (tier,) = sink.of(rec.TierJobRecord)
     assert (tier.kind, tier.outcome, tier.episode_epoch, tier.tier_type) == (
@@ -46,6 +47,7 @@ def test_a_promotion_and_the_wait_belong_to_the_open_episode_and_admission_start
     (ep,) = sink.of(rec.EpisodeRecord)
     assert ep.outcome == rec.RECOVERED and ep.tier_jobs == [1] and ep.promoted_chunks == {0: 4}
     assert ep.ready_ns == 45  # the wait's answer, not the preemption (10)
+    assert ep.tokens_restored == 96 and ep.tokens_restored_by_tier == {0: 64}
 
 
 def test_a_failed_promotion_makes_the_episode_recomputed_with_its_reason():

@@ -212,6 +212,30 @@ def test_a_failed_promotion_of_a_preempted_request_is_a_recomputed_episode(obser
     assert observe.metric_total("kvobs.recovery.episodes", outcome="recomputed") >= len(eps)
 
 
+def test_an_episode_restored_through_a_promotion_says_which_tier_its_tokens_came_from(observe):
+    if not RELEASE.series >= (0, 34):
+        pytest.skip("vLLM < 0.34's fs tier never promotes a preempted request's own prompt")
+    with tier_journal() as journal, Harness(HarnessConfig(num_ranks=2, tier="fs",
+                                                          num_cpu_chunks=16)) as h:
+        pressure_workload(h)
+        h.run_until_idle(2000)
+    current_pipeline().flush()
+    spans = [view(s) for s in observe.spans()]
+    promoted = [s for s in spans if s.name == "kv.recovery"
+                and s.attrs.get("kvobs.tier.promoted_chunks")]
+    assert promoted, "the workload must restore an episode through a promotion"
+    for ep in promoted:
+        mine = [j for j in ep.attrs["kvobs.tier.job_ids"] if journal[j]["promotion"]]
+        chunks = sum(journal[j]["chunks"] for j in mine if journal[j]["result"][0])
+        assert ep.attrs["kvobs.tier.promoted_chunks"] == chunks
+        restored = ep.attrs["kvobs.tokens.restored"]
+        by_tier = ep.attrs["kvobs.tokens.restored.by_tier"]
+        assert by_tier == [min(restored, chunks * 16)]  # 16-token blocks, one per chunk
+        assert ep.attrs["kvobs.tokens.restored.cpu"] == restored - by_tier[0]
+    assert observe.metric_total("kvobs.recovery.tokens.restored", tier="fs") == sum(
+        ep.attrs["kvobs.tokens.restored.by_tier"][0] for ep in promoted)
+
+
 def test_a_hung_promotion_is_an_error_while_it_hangs(observe):
     seen: dict[str, object] = {}
 
@@ -302,3 +326,30 @@ def test_cascades_back_pressure_drops_are_counted_where_vllm_dropped_them(observ
     assert observe.metric_total("kvobs.tier.backpressure", tier="fs") == 1
     # Only the cascades vLLM submitted are spans.
     assert len(tier_spans([view(s) for s in observe.spans()])) == len(journal)
+
+
+def test_a_recompute_of_kv_a_tier_holds_but_never_gave_back_says_not_found(observe):
+    # vLLM 0.32/0.33: the fs tier keeps a request's first "absent" answer, so
+    # a preempted request's own prompt, cascaded to fs meanwhile, is never
+    # found there. 0.34 promotes it. Either way the trace must say what happened.
+    with Harness(HarnessConfig(num_ranks=2, tier="fs", num_cpu_chunks=8)) as h:
+        pressure_workload(h)
+        h.run_until_idle(2000)
+    current_pipeline().flush()
+    spans = [view(s) for s in observe.spans()]
+    recomputed = [s for s in spans if s.name == "kv.recovery"
+                  and s.attrs.get("kvobs.tokens.recomputed")]
+    assert recomputed
+    for ep in recomputed:
+        reason = ep.attrs.get("kvobs.recompute.reason")
+        if ep.attrs.get("kvobs.tier.promoted_chunks"):
+            continue  # promoted (0.34): not this case
+        cascaded = [s for s in spans if s.name == "kv.tier.job"
+                    and s.attrs["kvobs.request.id"] == ep.attrs["kvobs.request.id"]
+                    and s.attrs["kvobs.tier.job.kind"] == "cascade"
+                    and s.attrs["kvobs.outcome"] == "ok" and s.end_ns <= ep.end_ns]
+        if cascaded:
+            assert reason in ("not_found", "promotion_allocation_failed", "cascade_dropped",
+                              "cascade_failed"), ep.attrs
+    if RELEASE.series < (0, 34):
+        assert any(ep.attrs.get("kvobs.recompute.reason") == "not_found" for ep in recomputed)

@@ -93,6 +93,9 @@ RECOMPUTE_NO_ROOM = "promotion_allocation_failed"
 # named only when the episode then recomputed and nothing else explains it.
 RECOMPUTE_CASCADE_FAILED = "cascade_failed"
 RECOMPUTE_CASCADE_DROPPED = "cascade_dropped"
+# Its KV was cascaded to a tier, yet no tier gave it back (vLLM 0.32/0.33's
+# fs tier keeps a request's first "absent" answer).
+RECOMPUTE_NOT_FOUND = "not_found"
 
 
 @dataclass(slots=True)
@@ -199,6 +202,9 @@ class EpisodeRecord:
     tier_jobs: list[int] = field(default_factory=list)
     promoted_chunks: dict[int, int] = field(default_factory=dict)
     recompute_reason: str | None = None
+    # Of tokens_restored: those a secondary tier promoted to CPU for this
+    # episode ({tier_index: tokens}); the rest were in the CPU tier already.
+    tokens_restored_by_tier: dict[int, int] = field(default_factory=dict)
 
     def tokens(self) -> tuple[tuple[str, int | None], ...]:
         """(source, tokens) of the accounting: the span's attributes and the

@@ -86,6 +86,7 @@ class _Request:
     jobs: int = 0
     tier_jobs: int = 0
     waits: int = 0
+    cascaded: int = 0  # chunks of it a tier stored
     last_ns: int = 0
     finished: str | None = None  # ev.FINISHED_*
 
@@ -106,7 +107,7 @@ class SchedulerLifecycle:
     def __init__(self, sched_gen: str, world_size: int, deadline_s: float,
                  sink: RecordSink, progress: Callable[[], int] | None = None,
                  tiers: list[tuple[str, str, str]] | None = None,
-                 tiers_refused: bool = False) -> None:
+                 tiers_refused: bool = False, tokens_per_chunk: int | None = None) -> None:
         self.gen = sched_gen
         self.progress = progress
         self._steps = 0  # progress() as read at the previous tick
@@ -123,6 +124,7 @@ class SchedulerLifecycle:
         # The spec has secondary tiers, but this vLLM's tiering classes do not
         # fit the tier seams: GPU <-> CPU is traced, the tiers are not.
         self.tiers_refused = tiers_refused
+        self.tokens_per_chunk = tokens_per_chunk
         # Counters the metric builder reads.
         self.late_receipts = 0
         self.unknown_receipts = 0
@@ -332,10 +334,16 @@ class SchedulerLifecycle:
                      cause: str | None = None) -> None:
         missing_fc = []
         restored = resident = recomputed = None
+        by_tier: dict[int, int] = {}
         if ep.admitted_ns is not None:
             missing_fc = sorted(set(range(self.world)) - ep.computed.keys())
             # A failed restore brought nothing back, whatever was planned.
             restored = 0 if ep.failed_jobs else ep.restored
+            if ep.promoted and restored and self.tokens_per_chunk:
+                left = restored
+                for tier, chunks in sorted(ep.promoted.items()):
+                    by_tier[tier] = n = min(left, chunks * self.tokens_per_chunk)
+                    left -= n
             if ep.held is not None:
                 resident = max(0, ep.held - restored)
                 if ep.discarded is not None:
@@ -352,8 +360,17 @@ class SchedulerLifecycle:
             tokens_recomputed=recomputed,
             end_cause=cause if outcome == rec.ABANDONED else None,
             tier_jobs=ep.tier_jobs, promoted_chunks=dict(ep.promoted),
-            recompute_reason=(ep.recompute_reason or ep.cascade_lost) if recomputed
+            tokens_restored_by_tier=by_tier,
+            recompute_reason=self._recompute_reason(req_id, ep) if recomputed
             or outcome in (rec.RECOMPUTED, rec.TIER_STALLED) else None))
+
+    def _recompute_reason(self, req_id: str, ep: _Episode) -> str | None:
+        reason = ep.recompute_reason or ep.cascade_lost
+        if reason is None and self.tier.tiers:
+            r = self.requests.get(req_id)
+            if r is not None and r.cascaded and not ep.promoted:
+                return rec.RECOMPUTE_NOT_FOUND
+        return reason
 
     # -- time ---------------------------------------------------------------------------
     def tick(self, now: int) -> None:

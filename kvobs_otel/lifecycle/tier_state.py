@@ -91,6 +91,10 @@ class TierLedger:
             ok = ok_chunks or 0
             outcome = rec.TIER_PARTIAL if ok else rec.TIER_FAILED
         self._emit(job_id, job, t, outcome, ok, size, io_time, deferred)
+        if not job.is_promotion and ok:
+            r = self.owner.requests.get(job.req_id)
+            if r is not None:
+                r.cascaded += ok
         ep = self.owner.episodes.get(job.req_id)
         if (not job.is_promotion and outcome != rec.TIER_OK and ep is not None
                 and ep.admitted_ns is None):

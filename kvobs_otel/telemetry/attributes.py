@@ -81,6 +81,10 @@ TIER_JOBS = "kvobs.tier.jobs"  # a request's tier jobs (count)
 TIER_PROMOTED = "kvobs.tier.promoted_chunks"  # an episode's, summed over tiers
 TIER_PROMOTED_BY = "kvobs.tier.promoted_chunks.by_tier"  # [chunks of tier 0, tier 1, ...]
 RECOMPUTE_REASON = "kvobs.recompute.reason"
+# Of kvobs.tokens.restored: those a secondary tier promoted for the episode
+# (a list by tier index) and those already in the CPU tier.
+TOKENS_RESTORED_BY_TIER = "kvobs.tokens.restored.by_tier"
+TOKENS_RESTORED_CPU = "kvobs.tokens.restored.cpu"
 WAIT_PASSES = "kvobs.wait.passes"
 WAIT_REASONS = "kvobs.wait.reasons"
 TIER_INDEXES = "kvobs.tier.indexes"  # a wait's promoting tiers

@@ -125,6 +125,10 @@ class MetricsBuilder:
         """Secondary tiers (only where the spec has them): vLLM exports the
         per-tier aggregates itself; these add the outcome and, through
         exemplars, the request or episode trace."""
+        self.restored_by_tier = self._counter(
+            "kvobs.recovery.tokens.restored", "{token}",
+            "Recovered requests' restored tokens by the tier they came from (cpu: already in "
+            "the CPU tier; else the secondary tier that promoted them)", ("tier",))
         self.tier_jobs = self._counter(
             "kvobs.tier.jobs", "{job}", "Secondary-tier jobs by tier, kind and outcome",
             ("tier", "tier_index", "kind", "outcome"))
@@ -220,6 +224,15 @@ class MetricsBuilder:
             for source, n in r.tokens():
                 if n:
                     self.tokens[(source,)] += n
+            if self._tiers and r.tokens_restored:
+                by = r.tokens_restored_by_tier
+                for i, n in by.items():
+                    if n:
+                        self.restored_by_tier[(self._tiers[i][0] if i < len(self._tiers)
+                                               else "unknown",)] += n
+                cpu = r.tokens_restored - sum(by.values())
+                if cpu:
+                    self.restored_by_tier[("cpu",)] += cpu
         elif isinstance(r, rec.FirstComputeRecord):
             self.first_compute[(r.rank, r.compute_kind)] += 1
         elif isinstance(r, rec.TierJobRecord) and self._tiers:

@@ -287,6 +287,10 @@ class SpanBuilder:
             attrs[A.TIER_PROMOTED_BY] = by_tier
         if r.recompute_reason:
             attrs[A.RECOMPUTE_REASON] = r.recompute_reason
+        if r.tokens_restored_by_tier and r.tokens_restored is not None:
+            by = r.tokens_restored_by_tier
+            attrs[A.TOKENS_RESTORED_BY_TIER] = [by.get(i, 0) for i in range(max(by) + 1)]
+            attrs[A.TOKENS_RESTORED_CPU] = r.tokens_restored - sum(by.values())
         if r.end_cause:
             attrs[A.END_CAUSE] = r.end_cause
         failed = r.outcome in _EPISODE_ERRORS and not rec.stopped(r.outcome, r.end_cause)

@@ -50,6 +50,16 @@ def _resource(connector: Any, settings: Settings, role: str, **extra: Any) -> di
     return attrs
 
 
+def _tokens_per_chunk(connector: Any) -> int | None:
+    """Tokens one offloaded chunk holds (the first KV cache group's; vLLM's
+    SchedulerOffloadConfig in offloading/scheduler.py), or None."""
+    try:
+        groups = connector.connector_scheduler.config.kv_group_configs
+        return int(groups[0].tokens_per_chunk) if groups else None
+    except Exception:
+        return None
+
+
 # vllm/v1/request.py RequestStatus: how the request ended.
 _FINISH_STATUS = {"FINISHED_ABORTED": ev.FINISHED_ABORTED, "FINISHED_ERROR": ev.FINISHED_ERROR}
 
@@ -84,7 +94,8 @@ class SchedulerSeams:
         self.consumer = pipeline.register(
             (SchedulerLifecycle, {"sched_gen": self.gen, "world_size": world,
                                   "deadline_s": settings.receipt_deadline_s, "tiers": tiers,
-                                  "tiers_refused": refused}),
+                                  "tiers_refused": refused,
+                                  "tokens_per_chunk": _tokens_per_chunk(connector)}),
             _resource(connector, settings, "scheduler"), progress=lambda: self.steps)
         self.offer = pipeline.offer
         self.tier_seams = (TierSeams(manager, self.offer, self.consumer, pipeline.count_error)

@@ -20,8 +20,10 @@ ids, so the evidence is whole; only the timeline is shifted
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
+from kvobs_otel.tools.analysis import tiers
 from kvobs_otel.tools.analysis.episodes import FAILED_RESTORE, Episode, rebuild
 from kvobs_otel.tools.analysis.skew import DEFAULT_TOLERANCE_S, clock_skew, format_skew
 from kvobs_otel.tools.otlp_file import FileSpan
@@ -65,8 +67,17 @@ def check_spans(spans: list[FileSpan], clock_tolerance_s: float = DEFAULT_TOLERA
         "clock_tolerance_s": clock_tolerance_s,
         "clock_skewed_processes": sum(s["skewed"] for s in skew),
         "clock_skew": skew,
+        # vLLM's secondary tiers: jobs by tier, kind and outcome; failed ones
+        # (vLLM recomputed) and hung ones (a failure: exit status 1).
+        **tiers.summarize(spans),
     }
     return episodes, summary
+
+
+def failed(summary: dict[str, Any]) -> bool:
+    """The exit status: incomplete episodes, or a tier job or wait that hung
+    (in an episode or in ordinary traffic)."""
+    return bool(summary["incomplete"] or summary["tier_hung"])
 
 
 def format_table(episodes: list[Episode], show_all: bool = False,
@@ -100,6 +111,15 @@ def format_table(episodes: list[Episode], show_all: bool = False,
         lines.append(f"{unjoined} judged on scheduler evidence only (ranks not joinable: "
                      "vLLM-HUST contract v1)")
     if summary is not None:
+        if summary["tier_jobs"]:
+            counts = Counter()
+            for row in summary["tier_jobs_by"]:
+                counts[(row["tier"], row["outcome"])] += row["count"]
+            lines.append(f"{summary['tier_jobs']} secondary-tier jobs: " + ", ".join(
+                f"{t} {o}: {n}" for (t, o), n in sorted(counts.items()))
+                + f"; {summary['waits']} waits")
+            lines.extend(f"tier failed (vLLM recomputed): {d}" for d in summary["tier_failed"])
+            lines.extend(f"TIER HUNG: {d}" for d in summary["tier_hung"])
         lines.extend(format_skew(summary["clock_skew"], summary["clock_tolerance_s"]))
     return "\n".join(lines)
 

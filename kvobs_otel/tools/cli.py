@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--withhold-rank", type=int, default=None, metavar="RANK",
                    help="fault injection: this rank never reports its restore loads, so "
                    "receipts stay incomplete (to see the ERROR spans and the alert)")
+    d.add_argument("--tier", choices=("fs",), default=None,
+                   help="add vLLM's secondary tier behind the CPU tier (TieringOffloadingSpec): "
+                   "fs, its filesystem tier in a temporary directory, with a CPU tier too "
+                   "small for the working set")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     c = sub.add_parser(
@@ -70,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         "processes (a rank's spans placed before their parent, or its transfers ending "
         "after their job's receipt) is reported per process as a warning with a lower bound "
         "of the offset; it does not change the exit status (episodes join by ids). "
-        "Exit status: 0 all complete, 1 some incomplete, 2 unusable input.")
+        "Secondary tiers (TieringOffloadingSpec): tier jobs by tier and outcome; a hung tier "
+        "job or wait is a failure, naming its tier. "
+        "Exit status: 0 all complete, 1 some incomplete or a tier hung, 2 unusable input.")
     c.add_argument("source", metavar="SOURCE")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.add_argument("--all", action="store_true", help="list complete episodes too")
@@ -154,7 +160,7 @@ def _demo(args: argparse.Namespace) -> int:
             ranks=args.ranks, requests=args.requests, seed=args.seed, mode=args.mode,
             vllm_log=args.vllm_log,
             max_steps=args.max_steps, out=args.out, otlp_endpoint=args.otlp_endpoint,
-            duration_s=args.duration, withhold_rank=args.withhold_rank))
+            duration_s=args.duration, withhold_rank=args.withhold_rank, tier=args.tier))
     except (OSError, RuntimeError, TimeoutError) as e:
         return _fail("demo", str(e))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
@@ -220,14 +226,14 @@ def _import_hust(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, spans: list) -> int:
-    from kvobs_otel.tools.check import check_spans, format_table, to_json
+    from kvobs_otel.tools.check import check_spans, failed, format_table, to_json
 
     if not args.clock_tolerance_ms >= 0:
         return _fail("check", "--clock-tolerance-ms must be 0 or more")
     episodes, summary = check_spans(spans, clock_tolerance_s=args.clock_tolerance_ms / 1e3)
     print(to_json(summary) if args.json
           else format_table(episodes, show_all=args.all, summary=summary))
-    return 1 if summary["incomplete"] else 0
+    return 1 if failed(summary) else 0
 
 
 def _report(args: argparse.Namespace, spans: list) -> int:

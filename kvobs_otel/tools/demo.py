@@ -17,7 +17,9 @@ the engine when vLLM's CPU build is installed.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -31,6 +33,11 @@ MODES = ("auto", "engine", "harness")
 # A sidecar's own final flush is bounded by 15 s (sidecar/main.py); margin.
 WRITERS_TIMEOUT_S = 30.0
 DEFAULT_REQUESTS = {"engine": 16, "harness": 12}
+# With a secondary tier: a CPU tier too small for the working set, so KV
+# cascades to the tier and comes back by promotion.
+HARNESS_TIER_CPU_CHUNKS = 16
+ENGINE_TIER_CPU_BYTES = 4 << 20
+TIERS = ("fs",)
 
 
 @dataclass
@@ -48,6 +55,9 @@ class DemoOptions:
     start_method: str = "spawn"
     duration_s: float | None = None
     withhold_rank: int | None = None
+    # "fs": vLLM's TieringOffloadingSpec with its filesystem tier behind the
+    # CPU tier, in a temporary directory (a small CPU tier, so KV reaches it)
+    tier: str | None = None
 
 
 def _export_env(opts: DemoOptions) -> dict[str, str]:
@@ -163,7 +173,15 @@ def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
     if opts.withhold_rank is not None:
         extra = {"harness_stall": {"rank": opts.withhold_rank, "kind": "load"}}
         env.setdefault("KVOBS_OTEL_RECEIPT_DEADLINE_S", "1")
-    cfg = ServeConfig(tp=opts.ranks, observe="plugin", extra_config=extra)
+    tier_dir = None
+    if opts.tier:
+        from kvobs_otel.tools.harness.config import TIERING_SPEC_NAME
+
+        tier_dir = tempfile.mkdtemp(prefix=f"kvobs-demo-tier-{opts.tier}-")
+        extra.update(spec_name=TIERING_SPEC_NAME,
+                     secondary_tiers=[{"type": opts.tier, "root_dir": tier_dir}])
+    cfg = ServeConfig(tp=opts.ranks, observe="plugin", extra_config=extra,
+                      **({"cpu_bytes": ENGINE_TIER_CPU_BYTES} if opts.tier else {}))
     log = opts.vllm_log or os.path.splitext(os.path.abspath(opts.out))[0] + ".vllm.log"
     port = free_port()
     stream.write(f"  starting vLLM (its log: {'terminal' if log == '-' else log}) ...")
@@ -192,6 +210,8 @@ def _run_engine(opts: DemoOptions, stream: TextIO) -> dict:
                      "its spans) ...")
         stream.flush()
         server.stop()
+        if tier_dir is not None:
+            shutil.rmtree(tier_dir, ignore_errors=True)
         stream.write(" done\n")
     return {
         "requests": {"ok": len(result.ok), "failed": len(result.errors)},
@@ -236,7 +256,9 @@ def _run_harness(opts: DemoOptions, stream: TextIO) -> dict:
     stream.write(f"kvobs-otel demo: vLLM scheduler + {opts.ranks} rank processes, "
                  f"{opts.requests} requests, seed {opts.seed}\n")
     cfg = HarnessConfig(num_ranks=opts.ranks, rank_mode="process", seed=opts.seed,
-                        extra_env=env, start_method=opts.start_method, stall=stall)
+                        extra_env=env, start_method=opts.start_method, stall=stall,
+                        tier=opts.tier,
+                        **({"num_cpu_chunks": HARNESS_TIER_CPU_CHUNKS} if opts.tier else {}))
     dropped: dict[str, int] = {}
     with Harness(cfg) as h:
         pressure_workload(h, num_requests=opts.requests)
@@ -287,6 +309,12 @@ def summarize(spans: list[FileSpan]) -> dict:
                       for (d, r), (c, b) in sorted(transfers.items())},
         "incomplete_receipts": len(incomplete),
         "spans": len(spans),
+        "tier_jobs": dict(Counter(
+            f"{s.attributes.get('kvobs.tier.type')} {s.attributes.get('kvobs.tier.job.kind')} "
+            f"{s.attributes.get('kvobs.outcome')}" for s in spans if s.name == "kv.tier.job")),
+        "waits": dict(Counter(
+            "+".join(s.attributes.get("kvobs.wait.reasons") or ()) for s in spans
+            if s.name == "kv.wait")),
     }
 
 
@@ -307,6 +335,12 @@ def format_summary(s: dict) -> str:
     lines.append("Completed transfers:")
     for key, v in s["transfers"].items():
         lines.append(f"  {key}: {v['count']} transfers, {v['bytes']} bytes")
+    if s.get("tier_jobs"):
+        lines.append("Secondary-tier jobs: " + ", ".join(
+            f"{n} {k}" for k, n in sorted(s["tier_jobs"].items())))
+    if s.get("waits"):
+        lines.append("Requests that waited for the connector: " + ", ".join(
+            f"{n} for {k}" for k, n in sorted(s["waits"].items())))
     lines.append(f"Incomplete receipts: {s['incomplete_receipts']}")
     where = "vLLM processes, at exit" if "vllm_preemptions" in s else "scheduler process"
     lines.append(f"Dropped observations ({where}): "

@@ -64,30 +64,41 @@ def jaeger_url(source: str) -> str:
     return source
 
 
-def process_end_url(url: str) -> str | None:
-    """The same Jaeger query for the ``kv.process.end`` spans (each in its own
-    trace: a query for recovery traces never returns them); None when the
-    query names no service or asks for them already."""
+# Spans a query for recovery traces never returns: a killed process's
+# kv.process.end (each in its own trace), and secondary-tier jobs in ordinary
+# request traces (a hung one is a failure check reports).
+COMPANIONS = ("kv.process.end", "kv.tier.job")
+
+
+def operation_url(url: str, operation: str) -> str | None:
+    """The same Jaeger query for another operation's traces; None when the
+    query names no service or asks for that operation already."""
     u = urllib.parse.urlsplit(url)
     q = dict(urllib.parse.parse_qsl(u.query))
-    if "service" not in q or q.get("operation") == "kv.process.end":
+    if "service" not in q or q.get("operation") == operation:
         return None
     q = {k: v for k, v in q.items() if k in ("service", "lookback", "start", "end", "limit")}
-    q["operation"] = "kv.process.end"
+    q["operation"] = operation
     return urllib.parse.urlunsplit((u.scheme, u.netloc, u.path, urllib.parse.urlencode(q), ""))
+
 
 
 def load_spans(source: str, timeout: float = 30.0) -> list[FileSpan]:
     """The spans of an OTLP JSON file, or of a Jaeger query together with the
-    ``kv.process.end`` spans of the same service (a killed process's)."""
+    traces of its ``COMPANIONS`` in the same service."""
     if not source.startswith(("http://", "https://")):
         return read_spans(source)
     url = jaeger_url(source)
     spans = _jaeger_query(url, timeout)
-    ends = process_end_url(url)
-    if ends is not None:
-        seen = {(s.trace_id, s.span_id) for s in spans}
-        spans += [s for s in _jaeger_query(ends, timeout) if (s.trace_id, s.span_id) not in seen]
+    seen = {(s.trace_id, s.span_id) for s in spans}
+    for operation in COMPANIONS:
+        more = operation_url(url, operation)
+        if more is None:
+            continue
+        for s in _jaeger_query(more, timeout):
+            if (s.trace_id, s.span_id) not in seen:
+                seen.add((s.trace_id, s.span_id))
+                spans.append(s)
     return spans
 
 

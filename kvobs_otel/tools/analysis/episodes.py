@@ -26,6 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvobs_otel.tools.analysis import tiers
 from kvobs_otel.tools.otlp_file import FileSpan
 
 # Episodes that ended properly. "recovered" and "recomputed" have an
@@ -151,8 +152,9 @@ def _check(ep: Episode, killed: Killed | None = None) -> None:
     cut = ep.outcome == CUT_SHORT and cause in STOP_CAUSES
     if cut:
         ep.cut_short.append(f"abandoned: {cause}")
-    elif ep.outcome not in ENDED_OK:
+    elif ep.outcome not in ENDED_OK and ep.outcome != tiers.STALLED:
         p.append(f"outcome {ep.outcome}")
+    p.extend(tiers.check_episode(ep.root, ep.spans))  # (a stall, naming its tier)
     failed_restore = ep.outcome in FAILED_RESTORE
     # A failed restore's transfers may have failed; any other episode's
     # restores all succeeded.

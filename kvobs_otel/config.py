@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 ENV_ENABLED = "KVOBS_OTEL_ENABLED"
 ENV_RECEIPT_DEADLINE = "KVOBS_OTEL_RECEIPT_DEADLINE_S"
+ENV_TIER_DEADLINE = "KVOBS_OTEL_TIER_DEADLINE_S"
 ENV_BUFFER_SIZE = "KVOBS_OTEL_BUFFER_SIZE"
 ENV_TRAFFIC_RATIO = "KVOBS_OTEL_TRAFFIC_SAMPLE_RATIO"
 ENV_ROSTER_CAP = "KVOBS_OTEL_ROSTER_CAP"
@@ -39,6 +40,11 @@ class Settings:
     enabled: bool = False
     # A job still missing ranks this long after creation ends as ERROR.
     receipt_deadline_s: float = 5.0
+    # A secondary-tier job or a wait for the connector's answer still open
+    # this long (the engine stepping) ends as ERROR ("hung"). Longer than the
+    # receipt deadline: a loaded filesystem or object store lookup takes
+    # seconds, and a new request waiting for one is no fault.
+    tier_deadline_s: float = 30.0
     # Bound of the serving-path buffer, in events; when full, events drop.
     buffer_size: int = 65536
     # Share of per-request traces of ordinary offload traffic that is kept.
@@ -126,6 +132,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         export=export,
         enabled=_bool(env, ENV_ENABLED, False),
         receipt_deadline_s=_number(env, ENV_RECEIPT_DEADLINE, 5.0, float, 0.01, 3600.0),
+        tier_deadline_s=_number(env, ENV_TIER_DEADLINE, 30.0, float, 0.01, 3600.0),
         buffer_size=int(_number(env, ENV_BUFFER_SIZE, 65536, int, 16, 1 << 24)),
         traffic_sample_ratio=_number(env, ENV_TRAFFIC_RATIO, 1.0, float, 0.0, 1.0),
         roster_cap=int(_number(env, ENV_ROSTER_CAP, 64, int, 1, 4096)),

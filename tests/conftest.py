@@ -84,6 +84,7 @@ def telemetry() -> Iterator[Telemetry]:
 def observe(telemetry: Telemetry) -> Iterator[Telemetry]:
     """Instrumentation on (short receipt deadline), in-memory export."""
     assert kvobs_otel.instrument(Settings(enabled=True, receipt_deadline_s=1.0,
+                                          tier_deadline_s=1.0,
                                           traffic_sample_ratio=1.0, drain_interval_s=0.02))
     yield telemetry
     kvobs_otel.uninstrument()

@@ -337,6 +337,7 @@ def test_uninstrument_restores_vllm_exactly(telemetry):
 @pytest.mark.parametrize(("var", "value"), [
     ("KVOBS_OTEL_ENABLED", "maybe"),
     ("KVOBS_OTEL_RECEIPT_DEADLINE_S", "-3"),
+    ("KVOBS_OTEL_TIER_DEADLINE_S", "soon"),
     ("KVOBS_OTEL_BUFFER_SIZE", "lots"),
     ("OTEL_TRACES_EXPORTER", "carrier-pigeon"),
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "smoke-signals"),

@@ -107,7 +107,8 @@ class SchedulerLifecycle:
     def __init__(self, sched_gen: str, world_size: int, deadline_s: float,
                  sink: RecordSink, progress: Callable[[], int] | None = None,
                  tiers: list[tuple[str, str, str]] | None = None,
-                 tiers_refused: bool = False, tokens_per_chunk: int | None = None) -> None:
+                 tiers_refused: bool = False, tokens_per_chunk: int | None = None,
+                 tier_deadline_s: float | None = None) -> None:
         self.gen = sched_gen
         self.progress = progress
         self._steps = 0  # progress() as read at the previous tick
@@ -125,6 +126,9 @@ class SchedulerLifecycle:
         # fit the tier seams: GPU <-> CPU is traced, the tiers are not.
         self.tiers_refused = tiers_refused
         self.tokens_per_chunk = tokens_per_chunk
+        # Tier jobs and waits: their own deadline (None: the receipt deadline).
+        self.tier_deadline_ns = (self.deadline_ns if tier_deadline_s is None
+                                 else int(tier_deadline_s * 1e9))
         # Counters the metric builder reads.
         self.late_receipts = 0
         self.unknown_receipts = 0
@@ -397,7 +401,7 @@ class SchedulerLifecycle:
                        if ep.admitted_ns is not None and ep.admitted_ns < limit and overdue(ep)]:
             self._end_episode(req_id, self.episodes.pop(req_id), now,
                               rec.FIRST_COMPUTE_INCOMPLETE)
-        self.tier.tick(now, limit, overdue)
+        self.tier.tick(now, now - self.tier_deadline_ns, overdue)
 
     def shutdown(self, t: int, cause: str = rec.END_CONNECTOR_SHUTDOWN) -> None:
         """End everything still open as ABANDONED, saying why (``cause``):

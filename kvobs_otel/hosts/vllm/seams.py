@@ -95,6 +95,7 @@ class SchedulerSeams:
             (SchedulerLifecycle, {"sched_gen": self.gen, "world_size": world,
                                   "deadline_s": settings.receipt_deadline_s, "tiers": tiers,
                                   "tiers_refused": refused,
+                                  "tier_deadline_s": settings.tier_deadline_s,
                                   "tokens_per_chunk": _tokens_per_chunk(connector)}),
             _resource(connector, settings, "scheduler"), progress=lambda: self.steps)
         self.offer = pipeline.offer

@@ -422,3 +422,34 @@ def test_screenshot_of_the_demo_report(demo_html: str, tmp_path: Path) -> None:
     assert rep_size > 8 * blank_size, (rep_size, blank_size)
     rep_distinct = len(set(rep_raw[::7]))
     assert rep_distinct > 4 * max(len(set(blank_raw[::7])), 1) and rep_distinct > 64
+
+
+def test_a_tiered_episode_has_a_lane_per_secondary_tier_and_its_wait() -> None:
+    # vLLM's TieringOffloadingSpec: the episode's promotion from fs, the wait
+    # it caused on the scheduler, then the GPU <- CPU restore.
+    tiered = [
+        span("kv.recovery", "t4", "r4", 0, 80, kvobs__request__id="tiered",
+             kvobs__recovery__epoch=1, kvobs__outcome="recovered",
+             kvobs__receipt__expected_ranks=2, kvobs__restore__job_ids=[9],
+             kvobs__tier__job_ids=[1]),
+        span("kv.wait", "t4", "w4", 5, 60, kvobs__wait__reasons=["promotion"],
+             kvobs__wait__passes=4, kvobs__outcome="answered"),
+        span("kv.tier.job", "t4", "p4", 6, 58, kvobs__tier__job__id=1, kvobs__tier__index=0,
+             kvobs__tier__type="fs", kvobs__tier__job__kind="promotion", kvobs__tier__chunks=3,
+             kvobs__bytes=24576, kvobs__outcome="ok"),
+        span("kv.job", "t4", "j9", 61, 63, kvobs__job__id=9, kvobs__job__role="restore",
+             kvobs__outcome="complete", kvobs__receipt__ranks=[0, 1]),
+        span("kv.transfer", "t4", "x9", 61, 62, rank=0, kvobs__job__id=9,
+             kvobs__direction="h2d", kvobs__bytes=16384, kvobs__outcome="ok"),
+        span("kv.transfer", "t4", "xa", 61, 62.5, rank=1, kvobs__job__id=9,
+             kvobs__direction="h2d", kvobs__bytes=16384, kvobs__outcome="ok"),
+        span("kv.admission", "t4", "a9", 63, 64),
+        span("kv.first_compute", "t4", "fa", 65, 70, rank=0),
+        span("kv.first_compute", "t4", "fb", 65, 72, rank=1),
+    ]
+    html = render_report(tiered)
+    p = parse(html)
+    (svg,) = timelines(p)
+    assert lanes(p, svg["id"]) == ["scheduler", "tier 0 (fs)", "rank 0", "rank 1"]
+    assert "promotion: secondary tier" in html and "kv.wait" in html
+    assert "waited for ['promotion']" in html or "waited for [&#x27;promotion&#x27;]" in html

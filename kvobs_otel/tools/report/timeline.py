@@ -1,8 +1,9 @@
 """One recovery episode as an inline-SVG timeline: a lane per participant.
 
 Lanes: ``scheduler`` (the episode root as a thin bar, preserve and restore
-``kv.job`` spans, ``kv.admission``) and ``rank N`` (``kv.transfer`` D2H/H2D,
-``kv.first_compute``). The axis is milliseconds since the episode's
+``kv.job`` spans, ``kv.wait``, ``kv.admission``), ``tier N (type)`` (vLLM's
+secondary tiers: ``kv.tier.job`` promotions and cascades) and ``rank N``
+(``kv.transfer`` D2H/H2D, ``kv.first_compute``). The axis is milliseconds since the episode's
 preemption (the root span's start). Each process converts its own monotonic
 clock to wall time, so positions across lanes are only as good as those
 clocks: nothing here orders spans beyond drawing them where they say they are.
@@ -25,6 +26,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "restore": ("restore job: receipt interval (kv.job role=restore)", "#9cc9ee"),
     "receipt": ("receipt complete (end of restore job)", "#0b3a6e"),
     "h2d": ("H2D transfer (kv.transfer h2d)", "#1668b8"),
+    "wait": ("wait for the connector's answer (kv.wait)", "#b8b1d9"),
+    "promotion": ("promotion: secondary tier \u2192 CPU (kv.tier.job)", "#2a9d8f"),
+    "cascade": ("cascade: CPU \u2192 secondary tier (kv.tier.job)", "#e9c46a"),
     "admission": ("admission (kv.admission)", "#18a06a"),
     "first_compute": ("first compute (kv.first_compute)", "#8e44ad"),
     "other": ("other span in the trace", "#c4c9d2"),
@@ -63,14 +67,22 @@ def kind_of(span: FileSpan, root: FileSpan) -> str:
         return d if d in ("d2h", "h2d") else "other"
     if span.name == "kv.admission":
         return "admission"
+    if span.name == "kv.wait":
+        return "wait"
+    if span.name == "kv.tier.job":
+        kind = a.get("kvobs.tier.job.kind")
+        return kind if kind in ("promotion", "cascade") else "other"
     if span.name == "kv.first_compute":
         return "first_compute"
     return "other"
 
 
 def lane_of(span: FileSpan) -> str:
-    if span.name in ("kv.recovery", "kv.job", "kv.admission", "kv.request"):
+    if span.name in ("kv.recovery", "kv.job", "kv.admission", "kv.request", "kv.wait"):
         return "scheduler"
+    if span.name == "kv.tier.job":
+        a = span.attributes
+        return f"tier {a.get('kvobs.tier.index', '?')} ({a.get('kvobs.tier.type', '?')})"
     rank = span_rank(span)
     if rank is not None:
         return f"rank {rank}"
@@ -88,14 +100,18 @@ def _int(v: object, default: int = 0) -> int:
 
 def lanes_for(ep: Episode) -> list[str]:
     ranks = set(range(max(ep.expected_ranks, 0)))
+    tiers: set[str] = set()
     unknown = False
     for s in ep.spans:
         lane = lane_of(s)
         if lane == "rank ?":
             unknown = True
+        elif lane.startswith("tier "):
+            tiers.add(lane)
         elif lane != "scheduler":
             ranks.add(int(lane.split()[1]))
-    return ["scheduler"] + [f"rank {r}" for r in sorted(ranks)] + (["rank ?"] if unknown else [])
+    return (["scheduler"] + sorted(tiers) + [f"rank {r}" for r in sorted(ranks)]
+            + (["rank ?"] if unknown else []))
 
 
 def hover_text(span: FileSpan, kind: str, ep: Episode) -> str:
@@ -121,7 +137,11 @@ def hover_text(span: FileSpan, kind: str, ep: Episode) -> str:
     rank = span_rank(span)
     if rank is not None:
         lines.append(f"rank {rank}")
-    for key, label in (("kvobs.receipt.ranks", "receipts from ranks"),
+    for key, label in (("kvobs.tier.type", "tier"), ("kvobs.tier.job.id", "tier job id"),
+                       ("kvobs.tier.chunks", "chunks"), ("kvobs.tier.chunks_ok", "chunks ok"),
+                       ("kvobs.tier.io.duration_s", "tier I/O s"),
+                       ("kvobs.wait.reasons", "waited for"), ("kvobs.wait.passes", "passes"),
+                       ("kvobs.receipt.ranks", "receipts from ranks"),
                        ("kvobs.receipt.missing_ranks", "missing ranks"),
                        ("kvobs.admission.roster", "admission roster"),
                        ("kvobs.compute.kind", "compute kind"),

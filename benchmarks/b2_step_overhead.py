@@ -32,6 +32,7 @@ from statistics import median
 from typing import Any
 
 from benchmarks.b2_procs import ForkedChild, Zygote
+TIER_SUFFIX = "+fs"  # benchmarks/b2_variant.py: the variant with vLLM's fs tier
 from benchmarks.common import Goal, Result, Spread, paired_ratios, progress
 from benchmarks.otlp_sink import OtlpSink
 
@@ -39,15 +40,21 @@ NAME = "B2"
 TITLE = "step overhead on the real vLLM scheduler + connector loop"
 CHUNK = 40  # steps per turn (~50 ms)
 BLOCKS, REPS = 15, 2  # process sets, and workload repeats in each (full run)
+TIER_EVERY = 3  # a tiered block before every third block (quick: one)
 
 
-def _lockstep(children: dict[str, ForkedChild], rng: random.Random) -> int:
+def _lockstep(children: dict[str, ForkedChild], rng: random.Random, strict: bool = True) -> int:
+    """Turns of CHUNK steps until every variant is done. ``strict``: every
+    variant runs exactly the same steps (not so with a secondary tier, whose
+    asynchronous lookups answer when its threads got to it)."""
     rounds = 0
     names = list(children)
     while not all(c.done for c in children.values()):
         lengths = set()
         for name in rng.sample(names, len(names)):
             c = children[name]
+            if c.done:
+                continue
             c.signal(signal.SIGCONT)
             c.send({"cmd": "run", "steps": CHUNK})
             msg = c.read()
@@ -55,14 +62,15 @@ def _lockstep(children: dict[str, ForkedChild], rng: random.Random) -> int:
             c.ns.extend(msg["ns"])
             c.done = msg["done"]
             lengths.add((len(msg["ns"]), c.done))
-        if len(lengths) != 1:
+        if strict and len(lengths) != 1:
             raise RuntimeError(f"B2: variants diverged in round {rounds}: {lengths}")
         rounds += 1
     return rounds
 
 
 def _block(zygote: Zygote, variants: tuple[str, ...], reps: int, rng: random.Random,
-           sink: OtlpSink) -> tuple[dict[str, ForkedChild], dict[str, Any], int]:
+           sink: OtlpSink, strict: bool = True
+           ) -> tuple[dict[str, ForkedChild], dict[str, Any], int]:
     children: dict[str, ForkedChild] = {}
     try:
         for v in rng.sample(variants, len(variants)):  # no variant always forked first
@@ -70,7 +78,7 @@ def _block(zygote: Zygote, variants: tuple[str, ...], reps: int, rng: random.Ran
         ready = {v: c.read() for v, c in children.items()}
         for c in children.values():
             c.signal(signal.SIGSTOP)
-        rounds = _lockstep(children, rng)
+        rounds = _lockstep(children, rng, strict)
         final = {v: {**children[v].finish(), "ready": ready[v]} for v in variants}
     finally:
         for c in children.values():
@@ -107,6 +115,9 @@ def run(quick: bool) -> Result:
     zygotes = [Zygote(quick) for _ in range(1 if quick else 2)]
     sink = OtlpSink()
     ns: dict[str, list[int]] = {v: [] for v in variants}
+    tiered = tuple(v + TIER_SUFFIX for v in (variants[0] if quick else "disabled", "enabled"))
+    tiered_reps: dict[str, list[list[int]]] = {v: [] for v in tiered}
+    tiered_finals: list[dict[str, Any]] = []
     per_rep: dict[str, list[list[int]]] = {v: [] for v in variants}
     finals: list[dict[str, Any]] = []
     rounds = 0
@@ -114,6 +125,14 @@ def run(quick: bool) -> Result:
         for z in zygotes:
             z.wait_ready()
         for b in range(blocks):
+            if b % TIER_EVERY == 0:
+                # The tiered pair, in a block of its own (its runs are not
+                # step-for-step identical: see _lockstep).
+                t_children, t_final, _n = _block(zygotes[b % len(zygotes)], tiered, reps, rng,
+                                                 sink, strict=False)
+                for v in tiered:
+                    tiered_reps[v].extend(_split(t_children[v].ns, t_final[v]["reps"]))
+                tiered_finals.append(t_final)
             children, final, n = _block(zygotes[b % len(zygotes)], variants, reps, rng, sink)
             rounds += n
             finals.append(final)
@@ -132,9 +151,44 @@ def run(quick: bool) -> Result:
         sink.close()
     result = _result(variants, ns, per_rep, finals, sink.counts(), rounds, blocks, reps,
                      time.monotonic() - t_start)
+    _tiered_result(result, tiered, tiered_reps, tiered_finals)
     result.data["kvobs_warnings"] = warnings
     result.info += [f"logged by a variant process: {w}" for w in warnings[:3]]
     return result
+
+
+def _tiered_result(result: Result, tiered: tuple[str, ...],
+                   per_rep: dict[str, list[list[int]]], finals: list[dict[str, Any]]) -> None:
+    """The tiered pair's goal lines, beside the untiered ones (same run)."""
+    base, enabled = tiered
+    if not per_rep[enabled]:
+        return
+    tier_jobs = _timed_count(finals, enabled, "events_accepted")
+    if tier_jobs <= 0:
+        raise RuntimeError(f"B2: the {enabled} variant observed nothing")
+    ratios = {
+        "median_step": Spread.of([median(x) / median(y) for x, y in
+                                  zip(per_rep[enabled], per_rep[base], strict=True)]),
+        "mean_step": Spread.of([(sum(x) / len(x)) / (sum(y) / len(y)) for x, y in
+                                zip(per_rep[enabled], per_rep[base], strict=True)]),
+    }
+    key = f"{enabled}/{base}"
+    result.goals += [
+        Goal(f"{key} step time (vLLM's fs tier), ratio of median steps per repeat",
+             ratios["median_step"], "<=", 1.03),
+        Goal(f"{key} step time (vLLM's fs tier), ratio of mean steps per repeat",
+             ratios["mean_step"], "<=", 1.03)]
+    steps = {v: [len(x) for x in per_rep[v]] for v in tiered}
+    summaries = {v: [r for f in finals for r in f[v]["reps"]] for v in tiered}
+    result.info.append(
+        f"{key}: median steps {ratios['median_step'].text()}; mean steps "
+        f"{ratios['mean_step'].median:.3f}; {len(finals)} tiered blocks; steps per repeat "
+        f"{steps}; workload per repeat {summaries[enabled][:1]}; enabled+fs observed "
+        f"{tier_jobs} events")
+    result.data["tiered"] = {
+        "variants": list(tiered), "ratios": {key: {m: vars(v) for m, v in ratios.items()}},
+        "steps_per_rep": steps, "median_step_us": {
+            v: median([n for x in per_rep[v] for n in x]) / 1e3 for v in tiered}}
 
 
 def _sum_fields(dicts: list[dict[str, Any]]) -> dict[str, Any]:

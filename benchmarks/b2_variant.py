@@ -55,6 +55,11 @@ from benchmarks.common import apply_clean_env, protocol_stream, reply, single_th
 from benchmarks.workload import QUICK_SHAPE, HeavyOffload, WorkloadShape, harness_config
 
 VARIANTS = ("uninstrumented", "disabled", "unobserved", "enabled", "in_process", "seams_only")
+# "<variant>+fs": the same with vLLM's TieringOffloadingSpec and its fs tier
+# behind a CPU tier too small for the working set (promotions, cascades and
+# waits on every repeat).
+TIER_SUFFIX = "+fs"
+TIER_CPU_CHUNKS = 16
 EXPLICIT = {"connector": "KvobsOffloadingConnector",
             "connector_module_path": "kvobs_otel.connector",
             "extra_env": {"KVOBS_OTEL_ENABLED": "0"}}
@@ -86,6 +91,8 @@ class Variant:
         import kvobs_otel
         from kvobs_otel.config import Settings
 
+        name, plus, tier = name.partition("+")
+        self.tier = tier if plus else None
         self.name, self.shape = name, shape
         self.kvobs = kvobs_otel
         self.settings = Settings(enabled=True,
@@ -119,7 +126,9 @@ class Variant:
         k = self.kvobs
         if self.name == "unobserved" and k.is_instrumented():
             k.uninstrument()  # so the next harness is built unpatched
-        h = Harness(harness_config(self.shape, **(EXPLICIT if self.name == "disabled" else {})))
+        tiered = ({"tier": self.tier, "num_cpu_chunks": TIER_CPU_CHUNKS} if self.tier else {})
+        h = Harness(harness_config(self.shape, **(EXPLICIT if self.name == "disabled" else {}),
+                                   **tiered))
         # The harness's variables for the whole process: no variant then sets
         # any per call (disabled has one more than the others).
         os.environ.update(h.env)

@@ -32,10 +32,10 @@ from statistics import median
 from typing import Any
 
 from benchmarks.b2_procs import ForkedChild, Zygote
-TIER_SUFFIX = "+fs"  # benchmarks/b2_variant.py: the variant with vLLM's fs tier
 from benchmarks.common import Goal, Result, Spread, paired_ratios, progress
 from benchmarks.otlp_sink import OtlpSink
 
+TIER_SUFFIX = "+fs"  # benchmarks/b2_variant.py: the variant with vLLM's fs tier
 NAME = "B2"
 TITLE = "step overhead on the real vLLM scheduler + connector loop"
 CHUNK = 40  # steps per turn (~50 ms)

@@ -192,6 +192,22 @@ def test_failed_restore_fires_its_alert_and_is_an_error_trace_in_jaeger(stack, m
     assert summary["restore_failed"] >= 1
 
 
+def test_a_tiered_run_reaches_prometheus(stack, monkeypatch):
+    """vLLM's fs tier behind a small CPU tier (TieringOffloadingSpec): its
+    tier metrics reach Prometheus (and feed the dashboards' tier row, checked
+    below), its failed or hung jobs none."""
+    def run(h: Harness) -> None:
+        pressure_workload(h)
+        h.run_until_idle(3000)
+    run_harness(monkeypatch, export_env(stack, "http/protobuf"), "spawn",
+                {"run": run, "config": {"tier": "fs", "num_cpu_chunks": 16}})
+    jobs = poll(lambda: stack.promql('sum by (kind) (kvobs_tier_jobs_total{outcome="ok"}) > 0'),
+                timeout=60)
+    assert {r["metric"]["kind"] for r in jobs} >= {"cascade"}, jobs
+    bad = stack.promql('sum(kvobs_tier_jobs_total{outcome=~"failed|partial|hung"}) > 0')
+    assert not bad, bad
+
+
 def dashboard_exprs() -> list[tuple[str, str]]:
     out = []
     for path in sorted((ROOT / "dashboards").glob("*.json")):

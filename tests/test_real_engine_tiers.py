@@ -9,6 +9,7 @@ from its ``/metrics`` (``vllm:kv_offload_tiering_*``)."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections import Counter
 
@@ -39,21 +40,34 @@ def model() -> str:
     return ensure_model()
 
 
-def tiered_run(stack, model, tmp_path, service: str, tier: dict) -> tuple[str, list, tuple]:
+def tiered_run(stack, model, tmp_path, service: str, tier: dict, env: dict | None = None,
+               while_again=None) -> tuple[str, list, tuple]:
     """Two loads with the same prompts: vLLM's /metrics at the end, kvobs-otel's
-    spans, and (wall time, vLLM's /metrics) between the two loads."""
+    spans, and (wall time, vLLM's /metrics) between the two loads.
+    ``while_again`` runs while the second load does (then in a thread)."""
     endpoint = f"http://127.0.0.1:{stack.ports['otlp_grpc']}"
     out = tmp_path / f"{service}.otlp.jsonl"
     cfg = ServeConfig(observe="plugin", cpu_bytes=CPU_BYTES, extra_config={
         "spec_name": TIERING_SPEC_NAME,
         "secondary_tiers": [{"root_dir": str(tmp_path / "tier"), **tier}]})
     # (KVOBS_OTEL_TIER_DEADLINE_S keeps its default: a loaded fs lookup takes seconds)
-    env = {**otel_env(endpoint, service), "KVOBS_OTEL_TRACES_FILE": str(out)}
+    env = {**otel_env(endpoint, service), "KVOBS_OTEL_TRACES_FILE": str(out), **(env or {})}
     server = start_server(model, tmp_path, cfg, env)
     try:
         first = load(server, salt=service)
         between = (time.time_ns(), server.metrics_text())
-        again = load(server, n_requests=8, max_tokens=8, concurrency=2, salt=service)
+        if while_again is None:
+            again = load(server, n_requests=8, max_tokens=8, concurrency=2, salt=service)
+        else:
+            done: list = []
+            thread = threading.Thread(target=lambda: done.append(load(
+                server, n_requests=8, max_tokens=8, concurrency=2, salt=service)))
+            thread.start()
+            try:
+                while_again(server)
+            finally:
+                thread.join(300)
+            (again,) = done
         text = server.metrics_text()
     finally:
         code = server.stop(signal.SIGTERM)
@@ -139,3 +153,41 @@ def test_failed_promotions_in_a_real_engine_are_errors_and_fire_the_alert(
         alerts, stack.promql(f'kvobs_tier_jobs_total{{job="{service}"}}'),
         stack.promql("kvobs_tier_jobs_total"))
     assert alerts[0]["labels"]["tier"] == "FaultyFsTier"
+
+
+def test_a_hung_promotion_in_a_real_engine_fires_the_alert_while_it_hangs(
+        stack, model, tmp_path):
+    """The first promotion hangs for ``HANG_S`` (FaultyFsTier; its request
+    waits for it, vLLM keeps stepping for the others): past the tier deadline
+    kvobs-otel reports it, and KvobsTierStalled fires in the real Prometheus
+    before the tier answers."""
+    service = "kvobs-engine-tier-hung"
+    hang_s = 60.0
+    seen: dict[str, float] = {}
+
+    def while_again(server) -> None:
+        t0 = time.monotonic()
+
+        def firing():
+            try:
+                return [a for a in stack.firing("KvobsTierStalled")
+                        if a["labels"].get("job") == service] or None
+            except OSError:
+                return None
+        alerts = poll(firing, timeout=hang_s - 10, interval=2)
+        if alerts:
+            seen["fired_after_s"] = time.monotonic() - t0
+            seen["labels"] = alerts[0]["labels"]
+    text, spans, _between = tiered_run(
+        stack, model, tmp_path, service,
+        {**FAULTY, "fault": {"kind": "promotion", "mode": "hang", "delay_s": hang_s,
+                             "count": 1}},
+        env={"KVOBS_OTEL_TIER_DEADLINE_S": "3"}, while_again=while_again)
+    assert "fired_after_s" in seen, "KvobsTierStalled did not fire while the promotion hung"
+    assert seen["fired_after_s"] < hang_s
+    assert seen["labels"]["tier"] == "FaultyFsTier" and seen["labels"]["kind"] == "promotion"
+    (hung,) = [s for s in spans if s.name == "kv.tier.job"
+               and s.attributes["kvobs.outcome"] == "hung"]
+    assert hung.error
+    # Reported at the deadline, not when the tier finally answered.
+    assert (hung.end_ns - hung.start_ns) / 1e9 < hang_s / 2

@@ -54,8 +54,9 @@ class TierLedger:
         # Counters the metric builder reads.
         self.late_results = 0
         self.unknown_results = 0
-        self.no_room_count: dict[int, int] = {}  # tier -> promotions without a free CPU chunk
-        self.skipped_chunks: dict[int, int] = {}  # tier -> chunks back-pressure kept off it
+        # (from 0 for every tier: an alert's increase() needs the first sample)
+        self.no_room_count = dict.fromkeys(range(len(tiers)), 0)  # promotions, no CPU chunk
+        self.skipped_chunks = dict.fromkeys(range(len(tiers)), 0)  # chunks back-pressure kept off
         self.pressure: dict[int, bool] = {}  # tier -> back-pressure on
 
     # -- tier jobs ---------------------------------------------------------------

@@ -288,13 +288,16 @@ class SidecarLink:
         lost, whatever happens)."""
         self._inflight, self._sent = frames or [], 0
         view = memoryview(data)
-        deadline = min(time.monotonic() + STALL_S, self.closing_by)
+        stall_at = time.monotonic() + STALL_S
         while view:
             try:
                 n = os.write(self.fd, view)
                 view = view[n:]
                 self._sent += n
             except BlockingIOError:
+                # closing_by read anew each wait: a close that starts while
+                # the drain thread waits here bounds this wait too.
+                deadline = min(stall_at, self.closing_by)
                 left = deadline - time.monotonic()
                 if left <= 0 and deadline >= self.closing_by:
                     self._settle()

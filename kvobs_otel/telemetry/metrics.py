@@ -145,7 +145,7 @@ class MetricsBuilder:
             callbacks=[lambda _o: [Observation(n, {"tier": ledger._tier(i)[0]})
                                    for i, n in list(ledger.skipped_chunks.items())]])
         m.create_observable_gauge(
-            "kvobs.tier.backpressure", unit="1",
+            "kvobs.tier.backpressure", unit="{state}",
             description="1 while a tier's back-pressure holds cascades back",
             callbacks=[lambda _o: [Observation(int(ledger.pressure.get(i, False)),
                                                {"tier": t[0], "tier_index": i})

@@ -353,3 +353,21 @@ def test_a_recompute_of_kv_a_tier_holds_but_never_gave_back_says_not_found(obser
                               "cascade_failed"), ep.attrs
     if RELEASE.series < (0, 34):
         assert any(ep.attrs.get("kvobs.recompute.reason") == "not_found" for ep in recomputed)
+
+
+def test_a_slow_promotion_shows_the_time_it_waited_beside_its_io(observe):
+    # The fs tier's read is done in its own time; its result is held 0.5 s
+    # more (FaultyFsTier "slow"): the span covers the wait, the tier's own I/O
+    # time stays what vLLM measured, and the request's wait covers both.
+    journal, faulted = faulty_run({"kind": "promotion", "mode": "slow", "delay_s": 0.5,
+                                   "count": 1}, kv_on_disk)
+    (slow,) = [j for j, mode in faulted.items() if mode == "slow"]
+    assert journal[slow]["result"][0] is True
+    spans = [view(s) for s in observe.spans()]
+    span = tier_spans(spans)[slow]
+    assert span.attrs["kvobs.outcome"] == "ok" and not span.error
+    took = (span.end_ns - span.start_ns) / 1e9
+    assert took >= 0.5 > span.attrs["kvobs.tier.io.duration_s"]
+    (wait,) = [s for s in spans if s.name == "kv.wait" and s.trace_id == span.trace_id
+               and "promotion" in s.attrs["kvobs.wait.reasons"]]
+    assert wait.start_ns <= span.start_ns and wait.end_ns >= span.end_ns

@@ -78,6 +78,16 @@ def tier_journal():
         TieringOffloadingManager._should_store_to_tier = should_store
 
 
+def pressure_spans(observe, num_cpu_chunks: int, **cfg) -> list:
+    """The pressure workload on a tiered harness, run to idle: its spans."""
+    with Harness(HarnessConfig(num_ranks=2, tier="fs", num_cpu_chunks=num_cpu_chunks,
+                               **cfg)) as h:
+        pressure_workload(h)
+        h.run_until_idle(2000)
+    current_pipeline().flush()
+    return [view(s) for s in observe.spans()]
+
+
 def tier_spans(spans) -> dict[int, object]:
     return {s.attrs["kvobs.tier.job.id"]: s for s in spans if s.name == "kv.tier.job"}
 
@@ -215,12 +225,8 @@ def test_a_failed_promotion_of_a_preempted_request_is_a_recomputed_episode(obser
 def test_an_episode_restored_through_a_promotion_says_which_tier_its_tokens_came_from(observe):
     if not RELEASE.series >= (0, 34):
         pytest.skip("vLLM < 0.34's fs tier never promotes a preempted request's own prompt")
-    with tier_journal() as journal, Harness(HarnessConfig(num_ranks=2, tier="fs",
-                                                          num_cpu_chunks=16)) as h:
-        pressure_workload(h)
-        h.run_until_idle(2000)
-    current_pipeline().flush()
-    spans = [view(s) for s in observe.spans()]
+    with tier_journal() as journal:
+        spans = pressure_spans(observe, 16)
     promoted = [s for s in spans if s.name == "kv.recovery"
                 and s.attrs.get("kvobs.tier.promoted_chunks")]
     assert promoted, "the workload must restore an episode through a promotion"
@@ -315,28 +321,20 @@ BACKPRESSURE = {
 
 
 def test_cascades_back_pressure_drops_are_counted_where_vllm_dropped_them(observe):
-    with tier_journal() as journal, Harness(HarnessConfig(
-            num_ranks=2, tier="fs", num_cpu_chunks=16,
-            tier_config={"backpressure": BACKPRESSURE})) as h:
-        pressure_workload(h)
-        h.run_until_idle(2000)
-    current_pipeline().flush()
+    with tier_journal() as journal:
+        spans = pressure_spans(observe, 16, tier_config={"backpressure": BACKPRESSURE})
     assert journal.skipped, "vLLM's back-pressure must drop cascades in this run"
     assert observe.metric_total("kvobs.tier.cascade.skipped", tier="fs") == sum(journal.skipped)
     assert observe.metric_total("kvobs.tier.backpressure", tier="fs") == 1
     # Only the cascades vLLM submitted are spans.
-    assert len(tier_spans([view(s) for s in observe.spans()])) == len(journal)
+    assert len(tier_spans(spans)) == len(journal)
 
 
 def test_a_recompute_of_kv_a_tier_holds_but_never_gave_back_says_not_found(observe):
     # vLLM 0.32/0.33: the fs tier keeps a request's first "absent" answer, so
     # a preempted request's own prompt, cascaded to fs meanwhile, is never
     # found there. 0.34 promotes it. Either way the trace must say what happened.
-    with Harness(HarnessConfig(num_ranks=2, tier="fs", num_cpu_chunks=8)) as h:
-        pressure_workload(h)
-        h.run_until_idle(2000)
-    current_pipeline().flush()
-    spans = [view(s) for s in observe.spans()]
+    spans = pressure_spans(observe, 8)
     recomputed = [s for s in spans if s.name == "kv.recovery"
                   and s.attrs.get("kvobs.tokens.recomputed")]
     assert recomputed

@@ -106,7 +106,7 @@ class TierLedger:
             if outcome != rec.TIER_OK:
                 ep.recompute_reason = rec.RECOMPUTE_PROMOTION_FAILED
                 ep.failed_tier_jobs.append(job_id)
-        self._closed(t, job.req_id)
+        self._job_ended(t, job.req_id)
 
     def no_room(self, t: int, tier: int, req_id: str) -> None:
         self.no_room_count[tier] = self.no_room_count.get(tier, 0) + 1
@@ -140,7 +140,7 @@ class TierLedger:
             size_bytes=size, io_time_s=io_time, release_deferred=deferred,
             episode_epoch=job.epoch, end_cause=cause))
 
-    def _closed(self, t: int, req_id: str, cause: str | None = None) -> None:
+    def _job_ended(self, t: int, req_id: str, cause: str | None = None) -> None:
         o = self.owner
         r = o.requests.get(req_id)
         if r is not None:
@@ -205,7 +205,7 @@ class TierLedger:
             if ep is not None and job.epoch and ep.epoch == job.epoch:
                 ep.failed_tier_jobs.append(job_id)
                 o._end_episode(job.req_id, o.episodes.pop(job.req_id), now, rec.TIER_STALLED)
-            self._closed(now, job.req_id)
+            self._job_ended(now, job.req_id)
         for req_id in [r for r, w in self.waits.items() if w.start_ns < limit and overdue(w)]:
             w = self.waits.pop(req_id)
             self._emit_wait(req_id, w, now, 0, rec.TIER_HUNG)
@@ -217,7 +217,7 @@ class TierLedger:
         for job_id in list(self.jobs):
             job = self.jobs.pop(job_id)
             self._emit(job_id, job, t, rec.ABANDONED, cause=cause)
-            self._closed(t, job.req_id, cause)
+            self._job_ended(t, job.req_id, cause)
         for req_id in list(self.waits):
             self._emit_wait(req_id, self.waits.pop(req_id), t, 0, rec.ABANDONED, cause)
 

@@ -274,6 +274,10 @@ def test_a_hung_promotion_is_an_error_while_it_hangs(observe):
     assert faulted[span.attrs["kvobs.tier.job.id"]] == "hang"
     assert observe.metric_total("kvobs.tier.jobs", tier="FaultyFsTier", kind="promotion",
                                 outcome="hung") == 1
+    # Its request, told "not yet" all along, is counted as stalled (by the
+    # main reason of its wait), beside the job.
+    assert observe.metric_total("kvobs.waits.stalled", reason="promotion") == 1
+    assert observe.metric_total("kvobs.waits.stalled", reason="lookup") == 0
     # The late result is counted, not a second span.
     assert [s.attributes["kvobs.tier.job.id"] for s in observe.spans("kv.tier.job")].count(
         span.attrs["kvobs.tier.job.id"]) == 1

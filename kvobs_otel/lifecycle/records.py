@@ -74,6 +74,7 @@ WAIT_TRANSFER = "transfer_in_flight"  # its own offload job was still running
 WAIT_PROMOTION = "promotion"  # a secondary tier promoted its KV to CPU
 WAIT_LOOKUP = "lookup"  # the connector could not answer yet (an async tier lookup)
 _WAIT_RANK = (WAIT_PROMOTION, WAIT_TRANSFER, WAIT_LOOKUP)
+WAIT_REASONS = _WAIT_RANK
 
 
 def main_wait_reason(reasons: list[str]) -> str:

@@ -150,6 +150,12 @@ class MetricsBuilder:
             callbacks=[lambda _o: [Observation(int(ledger.pressure.get(i, False)),
                                                {"tier": t[0], "tier_index": i})
                                    for i, t in enumerate(ledger.tiers)]])
+        self.waits_stalled = self._counter(
+            "kvobs.waits.stalled", "{request}",
+            "Requests the connector still answered 'not yet' at the tier deadline, by the "
+            "main reason of their wait", ("reason",))
+        for reason in rec.WAIT_REASONS:
+            self.waits_stalled[(reason,)] += 0
         self.tier_duration = self._histograms.create(
             "kvobs.tier.job.duration", "s", "Secondary-tier job: registered -> result seen",
             LATENCY_BUCKETS)
@@ -244,6 +250,8 @@ class MetricsBuilder:
                     (("tier", r.tier_type), ("kind", r.kind)), (r.end_ns - r.start_ns) * _NS,
                     identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch),
                     identity.tier_job_span_id(r.sched_gen, r.tier_job_id))
+        elif isinstance(r, rec.WaitRecord) and r.outcome == rec.TIER_HUNG and self._tiers:
+            self.waits_stalled[(rec.main_wait_reason(r.reasons),)] += 1
         elif (isinstance(r, rec.WaitRecord) and r.outcome == rec.WAIT_ANSWERED
               and self.wait is not None):
             self.wait.record((("reason", rec.main_wait_reason(r.reasons)),),

@@ -33,9 +33,10 @@ there measures the API server's wait for a core.
 
 How far behind the export runs under this load (issue 31): per span of the
 enabled variants, the time from the seam that ended it to its arrival at the
-sink (benchmarks/otlp_sink.py: the drain interval, the pipe, the sidecar's
-work and its batching delay, the OTLP/HTTP export); per round the p50 and
-p99 of the spans that arrived in it, summarised over rounds.
+sink (benchmarks/otlp_sink.py, in a process of its own as a Collector is:
+the drain interval, the pipe, the sidecar's work and its batching delay, the
+OTLP/HTTP export); per round the p50 and p99 of the spans that arrived in
+it, summarised over rounds.
 
 A tiny model on CPU has very short steps (a few ms), so the fixed cost per
 step of observing is a larger share than with a real model on a GPU: these
@@ -57,7 +58,7 @@ import time
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, Goal, Result, Spread, paired_ratios, progress, rotated
-from benchmarks.otlp_sink import OtlpSink
+from benchmarks.otlp_sink import SinkProcess
 
 NAME = "B5"
 TITLE = ("real engine: API server + EngineCore + 2 workers, real client "
@@ -88,7 +89,7 @@ def _model(python: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def _start(python: str, model: str, sink: OtlpSink, log_dir: str) -> dict[str, Any]:
+def _start(python: str, model: str, sink: SinkProcess, log_dir: str) -> dict[str, Any]:
     from kvobs_otel.tools.harness.server import EngineServer, ServeConfig, free_port
 
     servers = {}
@@ -155,7 +156,7 @@ def run(quick: bool) -> Result:
     t0 = time.monotonic()
     python = engine_python()
     model = _model(python)
-    sink = OtlpSink()
+    sink = SinkProcess()
     log_dir = tempfile.mkdtemp(prefix="kvobs-b5-")
     samples: dict[str, dict[str, list[float]]] = {v: {k: [] for k in SAMPLES} for v in VARIANTS}
     lag: dict[str, dict[str, list[float]]] = {v: {"p50": [], "p99": [], "all": []}

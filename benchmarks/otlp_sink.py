@@ -8,12 +8,16 @@ is in the measurement, and this sink proves spans really left the process.
 It also measures how far behind the export runs: per span, the time from
 its end (the seam that closed it: a transfer's result, a job's last receipt,
 an episode's last first compute) to its arrival here, on the same host's
-wall clock (``lags``).
+wall clock (``lags``). ``SinkProcess`` runs it in a process of its own
+(``python -m benchmarks.otlp_sink``): B5's client is busy Python, and a
+sink thread sharing its GIL took the client's time into every lag.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -40,7 +44,7 @@ class OtlpSink:
             # can fail the next export (counted as a loss that is ours).
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:
+            def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 encoding = (self.headers.get("Content-Encoding") or "").lower()
                 if encoding == "gzip":
@@ -52,6 +56,22 @@ class OtlpSink:
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            def do_GET(self) -> None:  # noqa: N802 (SinkProcess asks here)
+                what, _, sender = self.path.strip("/").partition("/")
+                if what == "lags":
+                    data = sink.take_lags(sender)
+                elif what == "counts":
+                    data = sink.counts()
+                else:
+                    self.send_error(404)
+                    return
+                body = json.dumps(data).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def log_message(self, *args: Any) -> None:
                 pass  # one line per export would bury the progress lines
@@ -103,3 +123,61 @@ class OtlpSink:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class SinkProcess:
+    """An OtlpSink in a process of its own, with the same methods."""
+
+    def __init__(self) -> None:
+        import os
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # Its own session, as a Collector is its own service: with the
+        # kernel's autogroup scheduling a session shares the CPU as one, and
+        # in the benchmark's session the sink waited on the busy client.
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.otlp_sink"],
+                                     stdout=subprocess.PIPE, text=True, cwd=root,
+                                     start_new_session=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line.strip().isdigit():
+            self.proc.kill()
+            raise RuntimeError(f"the OTLP sink process did not start: {line!r}")
+        self.port = int(line)
+
+    def endpoint_for(self, sender: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{sender}"
+
+    def _get(self, path: str) -> Any:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/{path}", timeout=60) as r:
+            return json.loads(r.read())
+
+    def take_lags(self, sender: str) -> list[float]:
+        return self._get(f"lags/{sender}")
+
+    def counts(self) -> dict[str, Any]:
+        return self._get("counts")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main() -> None:
+    """Serve until SIGTERM or SIGINT; the port goes to stdout first."""
+    import signal
+
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # (the server's threads inherit it)
+    sink = OtlpSink()
+    print(sink._server.server_address[1], flush=True)
+    signal.sigwait(stop)
+    sink.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -65,6 +65,7 @@ def tier_journal():
         ok = result.successful_keys
         jobs[result.job_id]["result"] = (bool(result.success), result.transfer_bytes,
                                          None if ok is None else len(ok))
+        jobs[result.job_id]["finished_ns"] = time.time_ns()
         return finished(self, job_metadata, result)
 
     TieringMetricsTracker.on_job_registered = on_job_registered
@@ -226,20 +227,31 @@ def test_an_episode_restored_through_a_promotion_says_which_tier_its_tokens_came
     if not RELEASE.series >= (0, 34):
         pytest.skip("vLLM < 0.34's fs tier never promotes a preempted request's own prompt")
     with tier_journal() as journal:
-        spans = pressure_spans(observe, 16)
+        spans = pressure_spans(observe, 8)
     promoted = [s for s in spans if s.name == "kv.recovery"
                 and s.attrs.get("kvobs.tier.promoted_chunks")]
     assert promoted, "the workload must restore an episode through a promotion"
     for ep in promoted:
-        mine = [j for j in ep.attrs["kvobs.tier.job_ids"] if journal[j]["promotion"]]
-        chunks = sum(journal[j]["chunks"] for j in mine if journal[j]["result"][0])
-        assert ep.attrs["kvobs.tier.promoted_chunks"] == chunks
-        restored = ep.attrs["kvobs.tokens.restored"]
+        # Its promotions vLLM finished while the episode was open. (On 0.34
+        # results come on vLLM's tier-poll thread: one that lands between a
+        # rank's first compute and the scheduler hearing of it may count.)
+        mine = [j for j in ep.attrs["kvobs.tier.job_ids"] if journal[j]["promotion"]
+                and journal[j]["result"][0]]
+        before = sum(journal[j]["chunks"] for j in mine
+                     if journal[j]["finished_ns"] <= ep.end_ns)
+        chunks = ep.attrs["kvobs.tier.promoted_chunks"]
+        assert before <= chunks, (before, chunks)
+        if not ep.attrs.get("kvobs.tier.job_ids.dropped"):  # (a long list is capped)
+            assert chunks <= sum(journal[j]["chunks"] for j in mine), (before, chunks)
+        restored = ep.attrs.get("kvobs.tokens.restored", 0)
+        if not restored:  # promoted, then recomputed all the same: nothing by tier
+            assert "kvobs.tokens.restored.by_tier" not in ep.attrs, ep.attrs
+            continue
         by_tier = ep.attrs["kvobs.tokens.restored.by_tier"]
         assert by_tier == [min(restored, chunks * 16)]  # 16-token blocks, one per chunk
         assert ep.attrs["kvobs.tokens.restored.cpu"] == restored - by_tier[0]
     assert observe.metric_total("kvobs.recovery.tokens.restored", tier="fs") == sum(
-        ep.attrs["kvobs.tokens.restored.by_tier"][0] for ep in promoted)
+        ep.attrs.get("kvobs.tokens.restored.by_tier", [0])[0] for ep in promoted)
 
 
 def test_a_hung_promotion_is_an_error_while_it_hangs(observe):

@@ -129,14 +129,13 @@ class SinkProcess:
     """An OtlpSink in a process of its own, with the same methods."""
 
     def __init__(self) -> None:
-        import os
+        from benchmarks.common import REPO_ROOT
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         # Its own session, as a Collector is its own service: with the
         # kernel's autogroup scheduling a session shares the CPU as one, and
         # in the benchmark's session the sink waited on the busy client.
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.otlp_sink"],
-                                     stdout=subprocess.PIPE, text=True, cwd=root,
+                                     stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                                      start_new_session=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.strip().isdigit():

@@ -73,13 +73,13 @@ TIER_STALLED = "tier_stalled"
 WAIT_TRANSFER = "transfer_in_flight"  # its own offload job was still running
 WAIT_PROMOTION = "promotion"  # a secondary tier promoted its KV to CPU
 WAIT_LOOKUP = "lookup"  # the connector could not answer yet (an async tier lookup)
-_WAIT_RANK = (WAIT_PROMOTION, WAIT_TRANSFER, WAIT_LOOKUP)
-WAIT_REASONS = _WAIT_RANK
+# Every reason, in the order the main one is picked.
+WAIT_REASONS = (WAIT_PROMOTION, WAIT_TRANSFER, WAIT_LOOKUP)
 
 
 def main_wait_reason(reasons: list[str]) -> str:
     """The one reason a wait is counted under (a metric label)."""
-    for reason in _WAIT_RANK:
+    for reason in WAIT_REASONS:
         if reason in reasons:
             return reason
     return WAIT_LOOKUP

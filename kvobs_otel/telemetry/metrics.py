@@ -250,11 +250,11 @@ class MetricsBuilder:
                     (("tier", r.tier_type), ("kind", r.kind)), (r.end_ns - r.start_ns) * _NS,
                     identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch),
                     identity.tier_job_span_id(r.sched_gen, r.tier_job_id))
-        elif isinstance(r, rec.WaitRecord) and r.outcome == rec.TIER_HUNG and self._tiers:
-            self.waits_stalled[(rec.main_wait_reason(r.reasons),)] += 1
-        elif (isinstance(r, rec.WaitRecord) and r.outcome == rec.WAIT_ANSWERED
-              and self.wait is not None):
-            self.wait.record((("reason", rec.main_wait_reason(r.reasons)),),
-                             (r.end_ns - r.start_ns) * _NS,
-                             identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch),
-                             identity.wait_span_id(r.sched_gen, r.req_id, r.start_ns))
+        elif isinstance(r, rec.WaitRecord):
+            reason = rec.main_wait_reason(r.reasons)
+            if r.outcome == rec.TIER_HUNG and self._tiers:
+                self.waits_stalled[(reason,)] += 1
+            elif r.outcome == rec.WAIT_ANSWERED and self.wait is not None:
+                self.wait.record((("reason", reason),), (r.end_ns - r.start_ns) * _NS,
+                                 identity.trace_id(r.sched_gen, r.req_id, r.episode_epoch),
+                                 identity.wait_span_id(r.sched_gen, r.req_id, r.start_ns))

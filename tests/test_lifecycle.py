@@ -40,10 +40,10 @@ def _pad(rows, defaults):
 def step(lc, t, preempted=(), loads=(), stores=(), flushed=(), admitted=()):
     """Rows as in events.S_STEP; trailing fields may be left out:
     preempted (req, epoch[, discarded]), stores (job, req, blocks[, chunks]),
-    admitted (req, epoch, kind[, held, restored])."""
+    admitted (req, epoch, kind[, held, restored, other])."""
     stores = tuple(tuple(r) + (r[2],) if len(r) == 3 else tuple(r) for r in stores)
     lc.handle((lc, ev.S_STEP, t, _pad(preempted, (None, None, None)), tuple(loads), stores,
-               tuple(flushed), _pad(admitted, (None, None, None, None, 0))))
+               tuple(flushed), _pad(admitted, (None, None, None, None, 0, None))))
 
 
 def receipts(lc, t, reporters=(), computed=()):
@@ -214,6 +214,30 @@ def test_recovery_accounting_restored_resident_recomputed():
             ep.tokens_recomputed) == (100, 64, 32, 4)
     (job,) = sink.of(rec.JobRecord)
     assert job.last_ranks == [0] and job.receipt_spread_ns == 0
+
+
+def test_accounting_inside_a_multiconnector_tells_other_connectors_tokens_apart():
+    # Composed with another connector that brought 48 tokens back (this one
+    # nothing): 16 in the device prefix cache, 48 the other's, 36 computed again.
+    lc, sink = sched(world=1)
+    step(lc, 0, preempted=[("r", 1, 100)])
+    step(lc, 30, admitted=[("r", 1, "prefill", 64, 0, 48)])
+    receipts(lc, 40, computed=[(0, "a", "r", 1)])
+    (ep,) = sink.of(rec.EpisodeRecord)
+    assert (ep.tokens_discarded, ep.tokens_restored, ep.tokens_resident,
+            ep.tokens_other_connector, ep.tokens_recomputed) == (100, 0, 16, 48, 36)
+    assert ("other_connector", 48) in ep.tokens()
+
+
+def test_accounting_inside_a_multiconnector_it_cannot_measure_leaves_resident_unset():
+    lc, sink = sched(world=1)
+    step(lc, 0, preempted=[("r", 1, 100)])
+    step(lc, 30, admitted=[("r", 1, "prefill", 64, 0, ev.OTHER_UNKNOWN)])
+    receipts(lc, 40, computed=[(0, "a", "r", 1)])
+    (ep,) = sink.of(rec.EpisodeRecord)
+    # What the request held and what it computed again stay exact.
+    assert (ep.tokens_resident, ep.tokens_other_connector, ep.tokens_recomputed) == (
+        None, None, 36)
 
 
 def test_error_finish_without_a_restore_out_is_finished_before_resume():

@@ -45,7 +45,7 @@ ALLOWED_KEYS = {
     "kvobs.restore.failed_job_ids", "kvobs.restore.failed_ranks",
     # Recovery accounting: token COUNTS (never token ids).
     "kvobs.tokens.discarded", "kvobs.tokens.restored", "kvobs.tokens.resident",
-    "kvobs.tokens.recomputed",
+    "kvobs.tokens.recomputed", "kvobs.tokens.other_connector",
     # resource
     "service.name", "service.version", "service.instance.id", "host.name", "process.pid",
     "kvobs.role", "kvobs.engine.id", "kvobs.tp.rank", "kvobs.pp.rank", "kvobs.dp.rank",

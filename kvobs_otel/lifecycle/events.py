@@ -14,10 +14,15 @@ S_REQUEST = 1
 # (preempted: ((req_id, epoch, discarded_tokens | None), ...),
 #  loads: ((job_id, req_id, sync, blocks), ...),
 #  stores: ((job_id, req_id, blocks, host_chunks), ...), flushed: (job_id, ...),
-#  admitted: ((req_id, epoch, compute_kind, held_tokens | None, restored_tokens), ...))
+#  admitted: ((req_id, epoch, compute_kind, held_tokens | None, restored_tokens,
+#              other_tokens | None), ...))
 # discarded: computed tokens the preemption dropped; held: tokens the request
-# holds on the device when it is scheduled again (prefix-cache hit + restored).
+# holds on the device when it is scheduled again (prefix-cache hit + restored
+# + other); other: what the other connectors of vLLM's MultiConnector brought
+# (None: the OffloadingConnector is not composed; OTHER_UNKNOWN: composed, not
+# measurable).
 S_STEP = 2
+OTHER_UNKNOWN = -1
 # (reporters: ((rank, worker_gen, (job_id, ...), (failed_job_id, ...)), ...),
 #  computed: ((rank, worker_gen, req_id, epoch), ...))
 S_RECEIPTS = 3

@@ -197,6 +197,8 @@ class EpisodeRecord:
     tokens_restored: int | None = None  # loaded from the host tier
     tokens_resident: int | None = None  # still in the device prefix cache
     tokens_recomputed: int | None = None  # computed again
+    # brought by the other connectors of vLLM's MultiConnector (None: alone)
+    tokens_other_connector: int | None = None
     end_cause: str | None = None  # ABANDONED: END_*
     # Secondary tiers: tier jobs of this episode, the chunks each tier
     # promoted for it ({tier_index: chunks}), and why KV did not come back.
@@ -211,7 +213,8 @@ class EpisodeRecord:
         """(source, tokens) of the accounting: the span's attributes and the
         kvobs.recovery.tokens{source} counter say the same."""
         return (("discarded", self.tokens_discarded), ("restored", self.tokens_restored),
-                ("resident", self.tokens_resident), ("recomputed", self.tokens_recomputed))
+                ("resident", self.tokens_resident), ("recomputed", self.tokens_recomputed),
+                ("other_connector", self.tokens_other_connector))
 
 
 @dataclass(slots=True)

@@ -68,6 +68,7 @@ class _Episode:
     discarded: int | None = None
     held: int | None = None
     restored: int = 0
+    other: int | None = None  # brought by other connectors (events.S_STEP)
     overdue_at: int | None = None  # engine steps when first past the deadline
     # Secondary tiers (tier_state.py)
     tier_jobs: list[int] = field(default_factory=list)
@@ -209,13 +210,13 @@ class SchedulerLifecycle:
                 ep.open_restores.add(job_id)
         for job_id, req_id, blocks, chunks in stores:
             self._new_job(t, job_id, req_id, True, False, blocks).host_chunks = chunks
-        for req_id, epoch, kind, held, restored in admitted:
+        for req_id, epoch, kind, held, restored, other in admitted:
             ep = self.episodes.get(req_id)
             if ep is None or ep.epoch != epoch or ep.admitted_ns is not None:
                 continue
             ep.admitted_ns = t
             ep.compute_kind = kind
-            ep.held, ep.restored = held, restored
+            ep.held, ep.restored, ep.other = held, restored, other
             if ep.ready_ns is None and not ep.open_restores:
                 # Nothing to restore (GPU prefix hit) or all restores in: ready
                 # since the last of them, else since the connector's answer
@@ -337,7 +338,7 @@ class SchedulerLifecycle:
     def _end_episode(self, req_id: str, ep: _Episode, t: int, outcome: str,
                      cause: str | None = None) -> None:
         missing_fc = []
-        restored = resident = recomputed = None
+        restored = resident = recomputed = other = None
         by_tier: dict[int, int] = {}
         if ep.admitted_ns is not None:
             missing_fc = sorted(set(range(self.world)) - ep.computed.keys())
@@ -349,7 +350,13 @@ class SchedulerLifecycle:
                     by_tier[tier] = n = min(left, chunks * self.tokens_per_chunk)
                     left -= n
             if ep.held is not None:
-                resident = max(0, ep.held - restored)
+                # Device prefix cache: what the request holds that neither the
+                # host tier nor another connector (MultiConnector) brought.
+                if ep.other is None:
+                    resident = max(0, ep.held - restored)
+                elif ep.other != ev.OTHER_UNKNOWN:
+                    other = ep.other
+                    resident = max(0, ep.held - restored - other)
                 if ep.discarded is not None:
                     recomputed = max(0, ep.discarded - ep.held)
         self.sink.emit(rec.EpisodeRecord(
@@ -361,7 +368,7 @@ class SchedulerLifecycle:
             missing_first_compute_ranks=missing_fc, incomplete_jobs=ep.incomplete_jobs,
             failed_restore_jobs=ep.failed_jobs, failed_ranks=sorted(ep.failed_ranks),
             tokens_discarded=ep.discarded, tokens_restored=restored, tokens_resident=resident,
-            tokens_recomputed=recomputed,
+            tokens_recomputed=recomputed, tokens_other_connector=other,
             end_cause=cause if outcome == rec.ABANDONED else None,
             tier_jobs=ep.tier_jobs, promoted_chunks=dict(ep.promoted),
             tokens_restored_by_tier=by_tier,

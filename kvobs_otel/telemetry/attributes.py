@@ -45,9 +45,9 @@ RESTORE_FAILED_JOBS = "kvobs.restore.failed_job_ids"
 RESTORE_FAILED_RANKS = "kvobs.restore.failed_ranks"
 # Where a recovered request's KV came from, in tokens, by source
 # (EpisodeRecord.tokens()): kvobs.tokens.discarded, .restored, .resident,
-# .recomputed.
+# .recomputed, .other_connector (inside vLLM's MultiConnector only).
 TOKENS = {source: f"kvobs.tokens.{source}"
-          for source in ("discarded", "restored", "resident", "recomputed")}
+          for source in ("discarded", "restored", "resident", "recomputed", "other_connector")}
 PRESERVE_JOBS = "kvobs.preserve.job_ids"
 RESTORE_JOBS = "kvobs.restore.job_ids"
 ROSTER = "kvobs.admission.roster"

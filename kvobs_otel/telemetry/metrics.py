@@ -63,8 +63,8 @@ class MetricsBuilder:
         self.tokens = self._counter(
             "kvobs.recovery.tokens", "{token}",
             "Recovered requests' tokens by where their KV came from (restored from the host "
-            "tier, resident in the device prefix cache, recomputed) and the computed tokens "
-            "preemptions discarded", ("source",))
+            "tier, resident in the device prefix cache, recomputed, other_connector inside "
+            "vLLM's MultiConnector) and the computed tokens preemptions discarded", ("source",))
         self.first_compute = self._counter("kvobs.first_compute", "{event}",
                                            "First computes after recovery",
                                            ("rank", "compute_kind"))

@@ -131,14 +131,53 @@ def _preempt(orig):
     # vllm.v1.core.sched.scheduler.Scheduler._preempt_request zeroes the
     # request's computed tokens: read them first (preemptions are rare).
     def _preempt_request(self, request, *args, **kwargs):
-        s = getattr(getattr(self, "connector", None), "__dict__", _NO_DICT).get(_ATTR)
-        if s is not None:
-            s.on_preempt(request)
+        for s, composed in scheduler_seams(getattr(self, "connector", None)):
+            s.on_preempt(request, composed)
         return orig(self, request, *args, **kwargs)
     return _preempt_request
 
 
 _NO_DICT: dict[str, Any] = {}
+# MultiConnector.update_state_after_alloc calls in progress (the scheduler
+# thread only): a MultiConnector inside another reports nothing itself.
+_composing = [0]
+
+
+def scheduler_seams(connector: Any) -> list[tuple[Any, bool]]:
+    """The scheduler seams of every OffloadingConnector in the scheduler's
+    connector: itself, or the children of vLLM's MultiConnector
+    (multi_connector.py keeps them in ``_connectors``), nested or not; each
+    with whether it is composed. Never raises."""
+    out: list[tuple[Any, bool]] = []
+    try:
+        todo = [(connector, False)]
+        while todo:
+            c, composed = todo.pop()
+            s = getattr(c, "__dict__", _NO_DICT).get(_ATTR)
+            if s is not None:
+                out.append((s, composed))
+            elif len(out) < 8:
+                todo.extend((child, True) for child in getattr(c, "_connectors", None) or ())
+    except Exception:
+        pass
+    return out
+
+
+def _multi_after_alloc(orig):
+    # The scheduler's one call says what all connectors together bring back
+    # (vLLM then gives it to the chosen child, 0 to the others): each
+    # OffloadingConnector inside can tell its own tokens from the others'.
+    def update_state_after_alloc(self, request, blocks, num_external_tokens, *args, **kwargs):
+        _composing[0] += 1
+        try:
+            result = orig(self, request, blocks, num_external_tokens, *args, **kwargs)
+        finally:
+            _composing[0] -= 1
+        if not _composing[0] and getattr(request, "num_preemptions", 0):
+            for s, _c in scheduler_seams(self):
+                s.after_alloc_composed(request, num_external_tokens)
+        return result
+    return update_state_after_alloc
 
 
 def _connector_output(orig):
@@ -298,6 +337,19 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     _wrap(OffloadingConnectorWorker, "_init_worker", _init_worker)
     # both
     _wrap(C, "shutdown", _shutdown)
+    # composed: the OffloadingConnector as a MultiConnector child
+    problems = release.multi_problems()
+    if problems:
+        logger.warning("kvobs-otel: inside vLLM's MultiConnector, the tokens other connectors "
+                       "bring back are not told apart (kvobs.tokens.resident stays unset): "
+                       "its classes differ from the %s seams: %s", release.name,
+                       "; ".join(problems))
+    else:
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiConnector,
+        )
+
+        _wrap(MultiConnector, "update_state_after_alloc", _multi_after_alloc)
 
 
 def unpatch_classes() -> None:

@@ -113,12 +113,29 @@ class SchedulerSeams:
         # req_id -> tokens the connector will load from the host tier for an
         # open episode (update_state_after_alloc), until its admission.
         self.restored: dict[str, int] = {}
+        # Inside vLLM's MultiConnector: req_id -> tokens every connector
+        # together will load for an open episode, until its admission (the
+        # others' = this minus restored). ``composed``: a MultiConnector child.
+        self.external: dict[str, int] = {}
+        self.composed = False
 
-    def on_preempt(self, request: Any) -> None:
+    def on_preempt(self, request: Any, composed: bool = False) -> None:
         try:
             r = request.request_id
             self.discarded[r] = request.num_computed_tokens
             self.restored.pop(r, None)
+            self.external.pop(r, None)
+            self.composed = self.composed or composed
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def after_alloc_composed(self, request: Any, num_external_tokens: int) -> None:
+        """After MultiConnector.update_state_after_alloc, for a preempted
+        request: what all its connectors bring back (summed, as restored)."""
+        try:
+            r = request.request_id
+            self.external[r] = self.external.get(r, 0) + int(num_external_tokens)
+            self.composed = True
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -215,10 +232,17 @@ class SchedulerSeams:
 
     def _accounted(self, admitted: dict[str, tuple[int, str]]) -> tuple[tuple[Any, ...], ...]:
         # Before vLLM adds this step's tokens: what the request already holds
-        # on the device (prefix-cache hit + what the host tier restored).
-        reqs, restored = self.requests, self.restored
-        return tuple([(r, e, k, reqs[r].num_computed_tokens if r in reqs else None,
-                       restored.pop(r, 0)) for r, (e, k) in admitted.items()])
+        # on the device (prefix-cache hit + what the host tier restored +
+        # what other connectors of a MultiConnector brought).
+        reqs, rows = self.requests, []
+        for r, (e, k) in admitted.items():
+            ours = self.restored.pop(r, 0)
+            total = self.external.pop(r, None)
+            other = (None if not self.composed
+                     else ev.OTHER_UNKNOWN if total is None else max(0, total - ours))
+            rows.append((r, e, k, reqs[r].num_computed_tokens if r in reqs else None, ours,
+                         other))
+        return tuple(rows)
 
     def after_connector_output(self, output: Any) -> None:
         try:
@@ -238,6 +262,7 @@ class SchedulerSeams:
             self.open.pop(r, None)
             self.discarded.pop(r, None)
             self.restored.pop(r, None)
+            self.external.pop(r, None)
             passes = self.waits.pop(r, None)
             if passes is not None:
                 self.offer((self.consumer, ev.S_WAIT_END, _now(), r, passes, False))

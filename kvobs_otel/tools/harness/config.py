@@ -104,6 +104,31 @@ class EngineShape:
     # KVTransferConfig.kv_load_failure_policy ("fail" | "recompute"); None
     # keeps vLLM's default.
     kv_load_failure_policy: str | None = None
+    # vLLM's MultiConnector: its children in order, OFFLOADING standing for
+    # the OffloadingConnector above, the others KVTransferConfig dicts.
+    multi: tuple[Any, ...] | None = None
+
+
+# In EngineShape.multi / HarnessConfig.multi: where the OffloadingConnector goes.
+OFFLOADING = "offloading"
+
+
+def offloading_part(obj: Any) -> Any:
+    """The OffloadingConnector inside vLLM's MultiConnector (its children:
+    ``_connectors``), or its metadata inside a MultiKVConnectorMetadata (one
+    per child: ``metadata``), nested or not; ``obj`` itself when it is one
+    (None when there is none)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    if obj is None or isinstance(obj, OffloadingConnector) or hasattr(obj, "load_jobs"):
+        return obj
+    for part in getattr(obj, "_connectors", None) or getattr(obj, "metadata", None) or ():
+        found = offloading_part(part)
+        if found is not None:
+            return found
+    return None
 
 
 def write_tiny_model_dir(directory: str, model: TinyLlama) -> str:
@@ -173,15 +198,21 @@ def build_vllm_config(model_dir: str, shape: EngineShape) -> VllmConfig:
     policy: dict[str, Any] = {}
     if shape.kv_load_failure_policy is not None:
         policy["kv_load_failure_policy"] = shape.kv_load_failure_policy
-    kv_transfer_config = KVTransferConfig(
+    offloading: dict[str, Any] = dict(
         kv_connector=shape.connector,
         kv_connector_module_path=shape.connector_module_path,
         kv_role="kv_both",
         kv_connector_extra_config=extra,
-        engine_id=shape.engine_id,
         kv_buffer_device="cpu",
-        **policy,
     )
+    if shape.multi:
+        # As a user composes it (multi_connector.py builds each child's
+        # KVTransferConfig from its dict, with the parent's engine id).
+        children = [offloading if c == OFFLOADING else dict(c) for c in shape.multi]
+        offloading = dict(kv_connector="MultiConnector", kv_role="kv_both",
+                          kv_connector_extra_config={"connectors": children},
+                          kv_buffer_device="cpu")
+    kv_transfer_config = KVTransferConfig(**offloading, engine_id=shape.engine_id, **policy)
     with compat.v2_config_validation(shape.model_runner):
         vllm_config = VllmConfig(
             model_config=model_config,

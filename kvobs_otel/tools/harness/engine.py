@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from kvobs_otel.tools.harness import compat
 from kvobs_otel.tools.harness.config import (
     FAIL_KEY,
+    OFFLOADING,
     RECORD_KEY,
     STALL_KEY,
     TIERING_SPEC_NAME,
@@ -40,6 +41,7 @@ from kvobs_otel.tools.harness.config import (
     TinyLlama,
     build_kv_cache_configs,
     build_vllm_config,
+    offloading_part,
     worker_vllm_config,
     write_tiny_model_dir,
 )
@@ -100,12 +102,18 @@ class HarnessConfig:
     tier: str | None = None
     tier_dir: str | None = None
     tier_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's MultiConnector around the OffloadingConnector: the children in
+    # order, config.OFFLOADING for it, KVTransferConfig dicts for the others
+    # (companion.config() for one that serves tokens too).
+    multi: tuple[Any, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rank_mode not in ("inline", "process"):
             raise ValueError(f"rank_mode must be 'inline' or 'process', not {self.rank_mode!r}")
         if self.tier not in (None, "fs"):
             raise ValueError(f"tier must be 'fs' or None, not {self.tier!r}")
+        if self.multi is not None and list(self.multi).count(OFFLOADING) != 1:
+            raise ValueError(f"multi must hold {OFFLOADING!r} once: {self.multi!r}")
         if self.rank_env and self.rank_mode != "process":
             raise ValueError("rank_env needs rank_mode='process' (inline ranks share one process)")
         # Reads vLLM's source tree only: no vLLM import before ranks set their env.
@@ -288,6 +296,7 @@ class Harness:
             model=self.model,
             model_runner=cfg.model_runner,
             kv_load_failure_policy=cfg.kv_load_failure_policy,
+            multi=cfg.multi,
         )
         # What EngineCore.__init__ does before anything else.
         load_general_plugins()
@@ -535,7 +544,7 @@ class Harness:
                     self.finished[out.request_id] = str(out.finish_reason)
 
     def _jobs_of(self, so: SchedulerOutput) -> list[JobEvent]:
-        meta = so.kv_connector_metadata
+        meta = offloading_part(so.kv_connector_metadata)
         events: list[JobEvent] = []
         for kind in ("load", "store"):
             jobs = getattr(meta, f"{kind}_jobs", None) or {}
@@ -589,9 +598,15 @@ class Harness:
 
     def pending_jobs(self) -> dict[int, int]:
         """Stock OffloadingConnector: job id -> worker reports still missing."""
-        conn_sched = getattr(self.scheduler.connector, "connector_scheduler", None)
+        conn_sched = getattr(self.offloading, "connector_scheduler", None)
         jobs = getattr(conn_sched, "_jobs", {})
         return {job_id: status.pending_count for job_id, status in jobs.items()}
+
+    @property
+    def offloading(self) -> Any:
+        """The scheduler's OffloadingConnector (a MultiConnector's child, or
+        the connector itself)."""
+        return offloading_part(self.scheduler.connector)
 
     def rank_call(self, rank: int, name: str, *args: Any) -> Any:
         """Read state of a rank in either mode (stats, withheld_job_ids,

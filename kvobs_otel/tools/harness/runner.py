@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from kvobs_otel.tools.harness import compat
-from kvobs_otel.tools.harness.config import TinyLlama
+from kvobs_otel.tools.harness.config import TinyLlama, offloading_part
 from kvobs_otel.tools.harness.fabricate import KVFabricator, PrefixHashes, sampled_token
 
 if TYPE_CHECKING:
@@ -189,6 +189,11 @@ class RankRunner:
         for name, tensor in self.kv_caches.items():
             static_ctx[name] = _FakeAttention(name, tensor)
         self._attention_layer = _make_layer_call()
+        # A companion connector in a MultiConnector (companion.py) serves
+        # what it claims with this rank's true KV, as a real source would.
+        for c in getattr(self.connector, "_connectors", None) or ():
+            if hasattr(c, "fill_true_kv"):
+                c.fill_true_kv = self._write_served
 
         with self.installed():
             if mode == "v2":
@@ -219,7 +224,7 @@ class RankRunner:
     @property
     def offloading_worker(self) -> Any:
         """The OffloadingWorker the connector's spec created, if reachable."""
-        cw = getattr(self.connector, "connector_worker", None)
+        cw = getattr(offloading_part(self.connector), "connector_worker", None)
         return getattr(cw, "worker", None)
 
     # -- one step -------------------------------------------------------------
@@ -433,6 +438,17 @@ class RankRunner:
             view[blocks, :, offs, :] = torch.from_numpy(data)
             if layer_idx == 0:
                 self.stats.tokens_written += n
+
+    def _write_served(self, req_id: str, num_tokens: int) -> None:
+        """The KV of the ``num_tokens`` tokens another connector just brought
+        to ``req_id`` (the last of its computed tokens), in every layer."""
+        state = self.requests[req_id]
+        start = state.num_computed - num_tokens
+        hashes = state.hashes.upto(state.tokens, state.num_computed)[start:]
+        blocks, offs = self._positions(req_id, start, num_tokens)
+        for layer_idx, layer_name in enumerate(self.layer_names):
+            data = self.fabricator.tokens_bytes(hashes, layer_idx)
+            self._kv_bytes[layer_name][blocks, :, offs, :] = torch.from_numpy(data)
 
     def _check_entered(self, so: SchedulerOutput, layer_idx: int) -> None:
         # Requests whose KV came from elsewhere (prefix cache, CPU restore)

@@ -33,6 +33,7 @@ COMMON = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
 OFFLOAD_BASE = "vllm.v1.kv_offload.base"
 SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 TIERING = "vllm.v1.kv_offload.tiering"
+MULTI = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:MultiConnector"
 
 # Refusal reasons (the ``reason`` of kvobs.host.refused).
 REFUSED_VERSION = "vllm_version_unsupported"
@@ -71,6 +72,10 @@ class Release:
     # it differs only the tiers go untraced (tier_seams.py).
     tier_methods: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     tier_fields: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # vLLM's MultiConnector (the OffloadingConnector composed with others),
+    # checked apart too: when it differs, the tokens the other connectors
+    # bring back stay unattributed (seams.py).
+    multi_methods: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -79,15 +84,23 @@ class Release:
     def tier_problems(self) -> list[str]:
         """Where the installed tiering classes differ from this release's
         tier seams (empty: they fit). Checked once per process."""
-        got = _TIER_CHECKED.get(self.series)
+        return self._part_problems("tier", self.tier_methods, self.tier_fields)
+
+    def multi_problems(self) -> list[str]:
+        """Where the installed MultiConnector differs from its seam."""
+        return self._part_problems("MultiConnector", self.multi_methods, {})
+
+    def _part_problems(self, part: str, methods: Mapping[str, tuple[str, ...]],
+                       fields: Mapping[str, tuple[str, ...]]) -> list[str]:
+        got = _PART_CHECKED.get((self.series, part))
         if got is None:
-            got = _TIER_CHECKED[self.series] = (
-                _differences(self.tier_methods, self.tier_fields) if self.tier_methods
-                else [f"vLLM {self.name} declares no tier seams"])
+            got = _PART_CHECKED[(self.series, part)] = (
+                _differences(methods, fields) if methods
+                else [f"vLLM {self.name} declares no {part} seams"])
         return got
 
 
-_TIER_CHECKED: dict[tuple[int, int], list[str]] = {}
+_PART_CHECKED: dict[tuple[tuple[int, int], str], list[str]] = {}
 
 
 def blocks(spec: Any) -> int:

@@ -23,5 +23,6 @@ RELEASE = Release(
     series=(0, 32), tested="0.32.0", methods=METHODS, dataclass_fields=FIELDS,
     load_row=load_row, runners=("v2", "v1"),
     tier_methods=v0_33.TIER_METHODS, tier_fields=v0_33.TIER_FIELDS,
+    multi_methods=v0_33.MULTI_METHODS,
     notes=("every restore is asynchronous: kvobs.job.sync is always false",),
 )

@@ -11,6 +11,7 @@ from kvobs_otel.hosts.vllm.releases import (
     COMMON,
     CONNECTOR,
     CONNECTOR_WORKER,
+    MULTI,
     OFFLOAD_BASE,
     SCHEDULER,
     TIERING,
@@ -84,6 +85,14 @@ TIER_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+# MultiConnector (multi_connector.py): the seam reads what every connector
+# brought a request (the scheduler's one call) after vLLM shared it out
+# among the children (``_connectors``). The same in 0.32, 0.33 and 0.34.
+MULTI_METHODS: dict[str, tuple[str, ...]] = {
+    f"{MULTI}.update_state_after_alloc": ("self", "request", "blocks", "num_external_tokens"),
+}
+
+
 def load_row(job_id: int, job: Any) -> tuple[Any, ...]:
     return (job_id, job.req_id, job.sync, blocks(job.dst_spec))
 
@@ -91,5 +100,5 @@ def load_row(job_id: int, job: Any) -> tuple[Any, ...]:
 RELEASE = Release(
     series=(0, 33), tested="0.33.0", methods=METHODS, dataclass_fields=FIELDS,
     load_row=load_row, runners=("v2", "v1"),
-    tier_methods=TIER_METHODS, tier_fields=TIER_FIELDS,
+    tier_methods=TIER_METHODS, tier_fields=TIER_FIELDS, multi_methods=MULTI_METHODS,
 )

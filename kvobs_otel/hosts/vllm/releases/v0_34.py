@@ -33,6 +33,7 @@ RELEASE = Release(
     series=(0, 34), tested="0.34.0", methods=METHODS, dataclass_fields=FIELDS,
     load_row=v0_33.load_row, failed_jobs=failed_jobs, runners=("v2",),
     tier_methods=v0_33.TIER_METHODS, tier_fields=v0_33.TIER_FIELDS,
+    multi_methods=v0_33.MULTI_METHODS,
     notes=("failed transfers, failed restores (kv_load_failure_policy) and failed stores "
            "are traced",),
 )

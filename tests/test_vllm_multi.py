@@ -75,3 +75,19 @@ def test_a_composed_connector_is_traced_and_accounted_as_vllm_served(observe, or
     else:
         assert h.restore_jobs  # the OffloadingConnector restored some itself
     assert not any(current_pipeline().error_counts().values())
+
+
+def test_the_connector_walk_finds_nested_children_and_stops_on_a_cycle():
+    from types import SimpleNamespace
+
+    from kvobs_otel.hosts.vllm.instrumentor import _ATTR, scheduler_seams
+
+    seams = object()
+    child = SimpleNamespace(**{_ATTR: seams})
+    inner = SimpleNamespace(_connectors=[SimpleNamespace(), child])
+    outer = SimpleNamespace(_connectors=[inner])
+    assert scheduler_seams(outer) == [(seams, True)]
+    assert scheduler_seams(child) == [(seams, False)]
+    loop = SimpleNamespace(_connectors=[])
+    loop._connectors.append(loop)  # a composition that refers to itself
+    assert scheduler_seams(loop) == []

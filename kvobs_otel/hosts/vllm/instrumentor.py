@@ -141,6 +141,7 @@ _NO_DICT: dict[str, Any] = {}
 # MultiConnector.update_state_after_alloc calls in progress (the scheduler
 # thread only): a MultiConnector inside another reports nothing itself.
 _composing = [0]
+_MAX_CONNECTORS = 32  # connectors scheduler_seams looks at, at most
 
 
 def scheduler_seams(connector: Any) -> list[tuple[Any, bool]]:
@@ -151,12 +152,15 @@ def scheduler_seams(connector: Any) -> list[tuple[Any, bool]]:
     out: list[tuple[Any, bool]] = []
     try:
         todo = [(connector, False)]
-        while todo:
+        # Bounded: a composition that refers to itself must not loop here.
+        for _ in range(_MAX_CONNECTORS):
+            if not todo:
+                break
             c, composed = todo.pop()
             s = getattr(c, "__dict__", _NO_DICT).get(_ATTR)
             if s is not None:
                 out.append((s, composed))
-            elif len(out) < 8:
+            else:
                 todo.extend((child, True) for child in getattr(c, "_connectors", None) or ())
     except Exception:
         pass

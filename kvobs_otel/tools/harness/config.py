@@ -118,11 +118,13 @@ def offloading_part(obj: Any) -> Any:
     ``_connectors``), or its metadata inside a MultiKVConnectorMetadata (one
     per child: ``metadata``), nested or not; ``obj`` itself when it is one
     (None when there is none)."""
+    if obj is None or hasattr(obj, "load_jobs"):  # every step's metadata: no import
+        return obj
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
 
-    if obj is None or isinstance(obj, OffloadingConnector) or hasattr(obj, "load_jobs"):
+    if isinstance(obj, OffloadingConnector):
         return obj
     for part in getattr(obj, "_connectors", None) or getattr(obj, "metadata", None) or ():
         found = offloading_part(part)

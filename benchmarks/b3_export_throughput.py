@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, Goal, Result, Spread, progress
+from kvobs_otel.tools.harness.server import free_port
 
 GOAL = 40_000.0  # spans per second per process, zero drops
 RATES = (10_000, 20_000, 30_000, 40_000, 50_000, 60_000, 80_000)
@@ -53,14 +54,6 @@ service:
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _collector_binary() -> str:
     path = os.environ.get("KVOBS_OTELCOL_BIN")
     if path and Path(path).exists():
@@ -72,7 +65,7 @@ def _collector_binary() -> str:
 
 class Collector:
     def __init__(self) -> None:
-        self.port, health, self.telemetry = _free_port(), _free_port(), _free_port()
+        self.port, health, self.telemetry = free_port(), free_port(), free_port()
         self.dir = tempfile.mkdtemp(prefix="kvobs-b3-")
         cfg = Path(self.dir) / "collector.yaml"
         cfg.write_text(COLLECTOR.format(port=self.port, health=health, telemetry=self.telemetry))

@@ -37,7 +37,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -46,6 +45,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvobs_otel.tools.harness.server import free_port  # noqa: F401  (one port picker for tests and tools)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = ROOT / ".ci" / "otel-bins" / "build.sh"
@@ -109,13 +110,6 @@ def prometheus_binaries() -> tuple[Path, Path]:
 
 
 # -- small helpers ----------------------------------------------------------------
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     """(status, body); HTTP error statuses are returned, not raised."""
     try:

@@ -476,3 +476,12 @@ def test_prometheus_runs_the_shipped_config_with_the_compose_flags(prom_bins, tm
                                          ("jaeger-badger.yaml", "jaeger")])
 def test_deploy_configs_validate_with_the_built_binaries(otel_bins, name, binary):
     validate_collector_config(DEPLOY / name, {}, binary=binary)
+
+
+def test_server_ports_are_never_ones_an_outgoing_connection_can_take():
+    # An outgoing connection's local port comes from the ephemeral range; a
+    # server port picked there can be taken between picking and binding.
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < floor for p in ports), (floor, sorted(ports)[-3:])

@@ -114,13 +114,42 @@ class ServeConfig:
         return env
 
 
-def free_port() -> int:
-    """A free TCP port on loopback (for the server to bind)."""
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default floor
+
+
+_ISSUED: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a server started a moment later.
+
+    Picked below the kernel's ephemeral range on purpose: a port the kernel
+    picks (bind to 0) is one any outgoing connection may take as its local
+    port before our server binds it (CI lost a Prometheus start to that:
+    "bind: address already in use"). Ports are never issued twice per process.
+    """
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    top = min(_ephemeral_floor(), 65536)
+    for _ in range(200):
+        port = random.randrange(20000, top) if top > 20000 else 0
+        if port in _ISSUED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _ISSUED.add(port)
+        return port
+    raise OSError(f"no free TCP port found on {host}")
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

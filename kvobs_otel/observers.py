@@ -40,14 +40,15 @@ CLOSE_TIMEOUT_S = 3.0
 METRICS_CLOSE_TIMEOUT_S = 1.5
 
 # (factory, keyword arguments): the factory is called as
-# ``factory(sink=..., **kwargs)`` (plus ``progress=`` for a scheduler). For
+# ``factory(sink=..., **kwargs)`` (plus ``stepped=True`` for a host that
+# counts its engine steps: its deadlines run in event time). For
 # the sidecar both must pickle: a module-level class and plain values.
 LifecycleSpec = tuple[Callable[..., Any], dict[str, Any]]
 
 # Controls travel among the events (key 0) so that they keep their order:
 # a role's registration before its first event, its close after its last.
 CONTROL_KEY = 0
-REGISTER = "register"  # (0, REGISTER, key, spec, resource, has_progress)
+REGISTER = "register"  # (0, REGISTER, key, spec, resource, stepped)
 CLOSE = "close"  # (0, CLOSE, key)
 
 
@@ -55,8 +56,7 @@ class Observer:
     """Lifecycle + builders + providers for one connector role instance."""
 
     def __init__(self, owner: ObserverSet, spec: LifecycleSpec,
-                 resource_attributes: dict[str, Any],
-                 progress: Callable[[], int] | None = None) -> None:
+                 resource_attributes: dict[str, Any], stepped: bool = False) -> None:
         # Imported here: with observation disabled the SDK is never imported.
         from kvobs_otel.telemetry.metrics import MetricsBuilder
         from kvobs_otel.telemetry.providers import make_providers
@@ -70,8 +70,8 @@ class Observer:
         self.pseudonym = (identity.RequestIdHasher(s.request_id_key)
                           if s.request_id_key else None)
         factory, kwargs = spec
-        if progress is not None:
-            kwargs = {**kwargs, "progress": progress}
+        if stepped:
+            kwargs = {**kwargs, "stepped": True}
         self.lifecycle = lc = factory(sink=self, **kwargs)
         # Drops, errors and deliveries are per process: the process meter.
         self.metrics = MetricsBuilder(
@@ -105,6 +105,11 @@ class Observer:
         if tick is not None:
             tick(now)
 
+    def advance(self, t: int, steps: int) -> None:
+        advance = getattr(self.lifecycle, "advance", None)
+        if advance is not None:
+            advance(t, steps)
+
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Flush and stop exporting (the events must have been handled)."""
         if self.closed:
@@ -132,7 +137,6 @@ class ObserverSet:
                                 else clock_offset_ns)
         self.mode = mode
         self.observers: dict[int, Observer] = {}
-        self.progress: dict[int, int] = {}
         self.process_metrics: Any = None
         self.remote_drops: dict[str, int] = {}
         self.remote_errors: dict[str, int] = {}
@@ -180,11 +184,10 @@ class ObserverSet:
 
     # -- observers -------------------------------------------------------------------
     def add(self, key: int, spec: LifecycleSpec, resource: dict[str, Any],
-            progress: bool = False) -> Observer | None:
+            stepped: bool = False) -> Observer | None:
         attrs = {"process.pid": self.pid, **resource}
         try:
-            observer = Observer(self, spec, attrs,
-                                (lambda: self.progress.get(key, 0)) if progress else None)
+            observer = Observer(self, spec, attrs, stepped)
         except Exception:
             logger.warning("kvobs-otel: could not make an observer for %s; its events are "
                            "counted as lifecycle failures", resource.get("kvobs.role"),
@@ -232,16 +235,29 @@ class ObserverSet:
     def _control(self, event: tuple[Any, ...]) -> None:
         self.controls_seen += 1
         if event[1] == REGISTER:
-            _k, _c, key, spec, resource, progress = event
+            _k, _c, key, spec, resource, stepped = event
             if key not in self.observers:  # a restarted sidecar was told already
-                self.add(key, spec, resource, progress)
+                self.add(key, spec, resource, stepped)
         elif event[1] == CLOSE:
             self.close_observer(event[2])
 
     def tick(self, now: int) -> None:
+        """The processing clock (deadlines of hosts without a step count)."""
         for obs in list(self.observers.values()):
             try:
                 obs.tick(now)
+            except Exception:
+                self.count_error("deadline")
+
+    def advance(self, t: int, progress: dict[int, int]) -> None:
+        """A drain cycle's mark, in the vLLM process's clock: by ``t`` each
+        keyed scheduler had taken ``progress[key]`` engine steps."""
+        for key, steps in progress.items():
+            obs = self.observers.get(key)
+            if obs is None:
+                continue
+            try:
+                obs.advance(t, steps)
             except Exception:
                 self.count_error("deadline")
 

@@ -219,23 +219,27 @@ class Pipeline:
             return self._drain_locked()
 
     def _drain_locked(self) -> int:
+        # The step counts, read before draining: every event of the steps
+        # they count was offered by now, so the (time, count) mark follows
+        # them in the stream (deadlines run in event time).
+        progress = {key: p() for key, (_s, _r, p) in list(self.registered.items())
+                    if p is not None}
+        mark = (time.monotonic_ns(), progress)
         batches = []
         while True:
             batch = self.buffer.drain()
             if not batch:
                 break
             batches.append(batch)
-        progress = {key: p() for key, (_s, _r, p) in list(self.registered.items())
-                    if p is not None}
         if self.link is not None:
             self.link.check()  # (may fall back in-process)
         if self.link is not None:
-            self.link.send(batches, progress)  # one write for the whole cycle
+            self.link.send(batches, mark)  # one write for the whole cycle
         else:
             local = self.local
             for batch in batches:
                 local.handle(batch)
-            local.progress.update(progress)
+            local.advance(*mark)
             local.tick(time.monotonic_ns())
         return sum(len(b) for b in batches)
 

@@ -37,18 +37,19 @@ def _pad(rows, defaults):
     return tuple(tuple(r) + tuple(defaults[len(r):]) for r in rows)
 
 
-def step(lc, t, preempted=(), loads=(), stores=(), flushed=(), admitted=()):
+def step(lc, t, preempted=(), loads=(), stores=(), flushed=(), admitted=(), steps=0):
     """Rows as in events.S_STEP; trailing fields may be left out:
     preempted (req, epoch[, discarded]), stores (job, req, blocks[, chunks]),
-    admitted (req, epoch, kind[, held, restored, other])."""
+    admitted (req, epoch, kind[, held, restored, other]). ``steps``: the
+    host's step count stamped on the event (read only when stepped)."""
     stores = tuple(tuple(r) + (r[2],) if len(r) == 3 else tuple(r) for r in stores)
-    lc.handle((lc, ev.S_STEP, t, _pad(preempted, (None, None, None)), tuple(loads), stores,
-               tuple(flushed), _pad(admitted, (None, None, None, None, 0, None))))
+    lc.handle((lc, ev.S_STEP, t, steps, _pad(preempted, (None, None, None)), tuple(loads),
+               stores, tuple(flushed), _pad(admitted, (None, None, None, None, 0, None))))
 
 
-def receipts(lc, t, reporters=(), computed=()):
+def receipts(lc, t, reporters=(), computed=(), steps=0):
     """reporters: (rank, worker_gen, job_ids[, failed_job_ids])."""
-    lc.handle((lc, ev.S_RECEIPTS, t, _pad(reporters, (None, None, None, ())),
+    lc.handle((lc, ev.S_RECEIPTS, t, steps, _pad(reporters, (None, None, None, ())),
                tuple(computed)))
 
 
@@ -66,30 +67,66 @@ def test_receipt_completes_only_when_every_rank_reported_once():
 
 
 def test_deadline_runs_out_only_while_the_engine_steps():
-    """With the host's step counter: past the deadline, a job still waits
-    for STEPS_PAST_DEADLINE more engine steps (seen at an earlier tick), since
-    ranks only report inside steps."""
+    """With the host's step count: past the deadline, a job still waits for
+    STEPS_PAST_DEADLINE more engine steps, since ranks only report inside
+    steps. Idle time (no step for 8 s) and the processing clock count for
+    nothing."""
     from kvobs_otel.lifecycle.scheduler_state import STEPS_PAST_DEADLINE
 
-    steps = [0]
     sink = ListSink()
-    lc = SchedulerLifecycle("g" * 32, 2, 1.0, sink, progress=lambda: steps[0])
-    step(lc, 0, stores=[(1, "idle", 2)], loads=[(2, "stuck", False, 2)])
-    receipts(lc, 1, [(0, "w0", (2,))])  # rank 1 never reports job 2
-    for t in range(2, 10):  # idle: no step for 8 s
+    lc = SchedulerLifecycle("g" * 32, 2, 1.0, sink, stepped=True)
+    step(lc, 0, stores=[(1, "idle", 2)], loads=[(2, "stuck", False, 2)], steps=1)
+    receipts(lc, 1, [(0, "w0", (2,))], steps=1)  # rank 1 never reports job 2
+    for t in range(2, 10):  # idle: no step for 8 s; the processing clock runs
         lc.tick(t * S)
+        lc.advance(t * S, 1)
     assert not sink.of(rec.JobRecord)
     # The engine steps again; its first step reports the store from both ranks.
     for n in range(1, STEPS_PAST_DEADLINE + 2):
-        steps[0] = n
         if n == 1:
-            receipts(lc, 10 * S, [(0, "w0", (1,)), (1, "w1", (1,))])
-        lc.tick(10 * S + n)
+            receipts(lc, 10 * S, [(0, "w0", (1,)), (1, "w1", (1,))], steps=2)
+        lc.advance(10 * S + n * 20_000_000, 1 + n)
         done = {j.job_id: j.outcome for j in sink.of(rec.JobRecord)}
         assert done.get(1) == rec.COMPLETE
-        # The withheld load ends once the steps past its deadline were seen.
-        assert (2 in done) == (n == STEPS_PAST_DEADLINE + 1), (n, done)
+        # The withheld load ends once the engine took STEPS_PAST_DEADLINE
+        # steps since the deadline ran out (at step 1).
+        assert (2 in done) == (n >= STEPS_PAST_DEADLINE), (n, done)
     assert done[2] == rec.RECEIPT_INCOMPLETE
+
+
+def test_a_receipt_that_reaches_us_late_is_judged_by_when_it_happened():
+    """Events can reach the lifecycle in one late backlog (a starved drain
+    thread, a sidecar behind): the job's creation, 8 s of engine steps, and
+    the withheld rank's receipt, with no processing-clock tick between. The
+    job was overdue at its deadline in event time: it ends incomplete then,
+    naming the rank, and the receipt counts as late."""
+    sink = ListSink()
+    lc = SchedulerLifecycle("g" * 32, 2, 1.0, sink, stepped=True)
+    step(lc, 0, loads=[(2, "stuck", False, 2)], steps=1)
+    receipts(lc, S // 10, [(0, "w0", (2,))], steps=2)
+    for n in range(3, 80):  # the engine keeps stepping (other requests' stores)
+        step(lc, n * S // 10, stores=[(100 + n, "other", 1)], steps=n)
+        receipts(lc, n * S // 10 + 1, [(0, "w0", (100 + n,)), (1, "w1", (100 + n,))], steps=n)
+    receipts(lc, 8 * S, [(1, "w1", (2,))], steps=80)
+    (job,) = [j for j in sink.of(rec.JobRecord) if j.job_id == 2]
+    assert job.outcome == rec.RECEIPT_INCOMPLETE and job.missing_ranks == [1]
+    assert S < job.end_ns < 2 * S, job.end_ns  # at its deadline, in event time
+    assert lc.anomalies()["late_receipt"] == 1
+    others = [j for j in sink.of(rec.JobRecord) if j.job_id != 2]
+    assert others and all(j.outcome == rec.COMPLETE for j in others)
+
+
+def test_a_backlog_of_steps_without_the_engine_stepping_is_no_deadline():
+    """The same backlog shape, but the step count does not move (one long
+    first forward pass): time alone is no missing receipt."""
+    sink = ListSink()
+    lc = SchedulerLifecycle("g" * 32, 2, 1.0, sink, stepped=True)
+    step(lc, 0, loads=[(2, "slow", False, 2)], steps=1)
+    receipts(lc, S // 10, [(0, "w0", (2,))], steps=1)
+    lc.advance(5 * S, 2)
+    receipts(lc, 8 * S, [(1, "w1", (2,))], steps=3)
+    (job,) = sink.of(rec.JobRecord)
+    assert job.outcome == rec.COMPLETE and lc.anomalies()["late_receipt"] == 0
 
 
 def test_deadline_names_missing_rank_and_late_receipt_is_counted():
@@ -289,7 +326,7 @@ def test_an_in_process_close_ends_open_work_as_abandoned_not_error(telemetry):
     p = Pipeline(Settings(enabled=True), in_process=True)
     key = p.register((SchedulerLifecycle, {"sched_gen": "g" * 32, "world_size": 2,
                                            "deadline_s": 60.0}), {"kvobs.role": "scheduler"})
-    p.offer((key, ev.S_STEP, time.monotonic_ns(), (("q", 1, 32),), ((7, "q", False, 2),), (),
+    p.offer((key, ev.S_STEP, time.monotonic_ns(), 1, (("q", 1, 32),), ((7, "q", False, 2),), (),
              (), ()))
     p.close()
     spans = {s.name: s for s in telemetry.exporter.get_finished_spans()}

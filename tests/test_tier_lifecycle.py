@@ -94,6 +94,25 @@ def test_a_hung_promotion_ends_as_an_error_at_the_deadline_and_its_late_result_i
     assert lc.tier.open_state()[("fs", "promotion")] == (0, 0.0)
 
 
+def test_a_hung_promotion_that_reaches_us_late_is_judged_by_when_it_happened():
+    """Stepped (the vLLM host): the promotion, the engine's next 5 s of steps
+    and the promotion's late result arrive in one backlog, with no
+    processing-clock tick. It hung in event time: reported at its deadline,
+    and the result counts as late."""
+    sink = ListSink()
+    lc = SchedulerLifecycle("g" * 32, 2, 1.0, sink, tiers=[FS], tokens_per_chunk=16,
+                            stepped=True)
+    preempted_and_promoting(lc)
+    for n in range(1, 50):
+        step(lc, n * S // 10, stores=[(100 + n, "other", 1)], steps=n)
+    send(lc, ev.S_TIER_DONE, 5 * S, 1, True, None, 4096, 0.01, False)
+    (tier,) = sink.of(rec.TierJobRecord)
+    assert tier.outcome == rec.TIER_HUNG and S < tier.end_ns < 2 * S
+    (ep,) = sink.of(rec.EpisodeRecord)
+    assert ep.outcome == rec.TIER_STALLED
+    assert lc.anomalies()["late_tier_result"] == 1
+
+
 def test_a_wait_for_the_requests_own_transfer_says_so_and_the_request_trace_holds_it():
     lc, sink = tiered()
     step(lc, 0, stores=[(1, "r", 4)])

@@ -11,7 +11,10 @@ from __future__ import annotations
 # Scheduler role ------------------------------------------------------------
 # (req_id, traceparent | None)
 S_REQUEST = 1
-# (preempted: ((req_id, epoch, discarded_tokens | None), ...),
+# Step and receipt events begin with ``steps``: the host's count of
+# schedule() calls when it recorded them (deadlines run in event time,
+# scheduler_state.py).
+# (steps, preempted: ((req_id, epoch, discarded_tokens | None), ...),
 #  loads: ((job_id, req_id, sync, blocks), ...),
 #  stores: ((job_id, req_id, blocks, host_chunks), ...), flushed: (job_id, ...),
 #  admitted: ((req_id, epoch, compute_kind, held_tokens | None, restored_tokens,
@@ -23,7 +26,7 @@ S_REQUEST = 1
 # measurable).
 S_STEP = 2
 OTHER_UNKNOWN = -1
-# (reporters: ((rank, worker_gen, (job_id, ...), (failed_job_id, ...)), ...),
+# (steps, reporters: ((rank, worker_gen, (job_id, ...), (failed_job_id, ...)), ...),
 #  computed: ((rank, worker_gen, req_id, epoch), ...))
 S_RECEIPTS = 3
 # (req_id, status: FINISHED_*)

@@ -8,15 +8,20 @@ Ranks report finished transfers only inside engine steps: while vLLM is idle
 (nothing to schedule) a finished store is reported at the next step, and a
 step may be long (a first forward pass takes seconds); neither is a missing
 receipt. With async scheduling a step's reports reach the scheduler up to two
-schedule() calls later, hence three. ``progress`` (the host's count of
-schedule() calls) says how far the engine got; without it every job is
-judged by time alone.
+schedule() calls later, hence three.
+
+Deadlines are judged in event time (``stepped``): the host stamps its count of
+schedule() calls on its step and receipt events, and the drain thread reports
+(time, count) marks between them (``advance``). Events can reach this object
+tens of seconds late (a starved drain thread, a sidecar behind); judged in
+processing time, a job's creation and its late receipt would arrive together
+and the missing receipt would never be seen. Without a step count (``stepped``
+false) jobs are judged by the processing clock alone (``tick``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -98,6 +103,9 @@ _ENDED_BEFORE_RESUME = {ev.FINISHED_OK: rec.FINISHED_BEFORE_RESUME,
 
 
 STEPS_PAST_DEADLINE = 3
+# Deadlines are looked at no more often than this, in event time: a backlog
+# of thousands of events must not scan the open jobs thousands of times.
+JUDGE_EVERY_NS = 10_000_000
 
 
 class SchedulerLifecycle:
@@ -106,13 +114,15 @@ class SchedulerLifecycle:
     _CLOSED_MEMORY = 8192
 
     def __init__(self, sched_gen: str, world_size: int, deadline_s: float,
-                 sink: RecordSink, progress: Callable[[], int] | None = None,
+                 sink: RecordSink, stepped: bool = False,
                  tiers: list[tuple[str, str, str]] | None = None,
                  tiers_refused: bool = False, tokens_per_chunk: int | None = None,
                  tier_deadline_s: float | None = None) -> None:
         self.gen = sched_gen
-        self.progress = progress
-        self._steps = 0  # progress() as read at the previous tick
+        self.stepped = stepped
+        self._t = 0  # event time: the newest (t, steps) mark seen
+        self._steps = 0
+        self._judged_t = 0
         self.world = world_size
         self.deadline_ns = int(deadline_s * 1e9)
         self.sink = sink
@@ -141,10 +151,14 @@ class SchedulerLifecycle:
     # -- dispatch ------------------------------------------------------------
     def handle(self, event: tuple[Any, ...]) -> None:
         kind, t = event[1], event[2]
+        # Deadlines first, as of this event's time: a receipt that comes
+        # after its job was overdue is late, however late it reached us.
+        stamped = kind == ev.S_STEP or kind == ev.S_RECEIPTS
+        self.advance(t, event[3] if stamped else 0)
         if kind == ev.S_STEP:
-            self._step(t, *event[3:])
+            self._step(t, *event[4:])
         elif kind == ev.S_RECEIPTS:
-            self._receipts(t, *event[3:])
+            self._receipts(t, *event[4:])
         elif kind == ev.S_REQUEST:
             self._request(t, event[3]).traceparent = event[4]
         elif kind == ev.S_FINISHED:
@@ -384,23 +398,42 @@ class SchedulerLifecycle:
         return reason
 
     # -- time ---------------------------------------------------------------------------
+    def advance(self, t: int, steps: int) -> None:
+        """The engine had taken ``steps`` steps by ``t`` (the host's clock and
+        count, stamped where it happened). Judges deadlines as of then, before
+        any later event is applied."""
+        if not self.stepped:
+            return
+        if t > self._t:
+            self._t = t
+        if steps > self._steps:
+            self._steps = steps
+        if self._t - self._judged_t >= JUDGE_EVERY_NS:
+            self._judge(self._t)
+
     def tick(self, now: int) -> None:
+        """The processing clock: judges deadlines for a host without a step
+        count. A stepped host is judged in event time only (``advance``):
+        with no event and no mark, its engine is not known to have stepped."""
+        if not self.stepped:
+            self._judge(now)
+
+    def _judge(self, now: int) -> None:
         """End jobs and admitted episodes that outlived the receipt deadline
-        (and, with ``progress``, the engine's next ``STEPS_PAST_DEADLINE`` steps)."""
+        at ``now`` (and, when stepped, the engine's next
+        ``STEPS_PAST_DEADLINE`` steps since it ran out)."""
+        self._judged_t = now
         limit = now - self.deadline_ns
-        if self.progress is None:
+        if not self.stepped:
             def overdue(item: Any) -> bool:
                 return True
         else:
-            # The count read at the previous tick, before this drain: every
-            # report of the steps it counts has been offered and drained.
-            seen, steps = self._steps, self.progress()
-            self._steps = steps
+            steps = self._steps
 
             def overdue(item: Any) -> bool:
                 if item.overdue_at is None:
                     item.overdue_at = steps
-                return seen >= item.overdue_at + STEPS_PAST_DEADLINE
+                return steps >= item.overdue_at + STEPS_PAST_DEADLINE
         for job_id in [j for j, job in self.jobs.items()
                        if job.start_ns < limit and overdue(job)]:
             self._end_job(job_id, now, rec.RECEIPT_INCOMPLETE)

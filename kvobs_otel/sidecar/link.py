@@ -240,10 +240,10 @@ class SidecarLink:
     def send_events(self, batch: list[tuple[Any, ...]]) -> bool:
         return self.send([batch], None)
 
-    def send(self, batches: list[list[tuple[Any, ...]]], progress: dict[int, int] | None
-             ) -> bool:
+    def send(self, batches: list[list[tuple[Any, ...]]],
+             mark: tuple[int, dict[int, int]] | None) -> bool:
         """What one drain cycle has for the sidecar: the event batches, then
-        (``progress`` given: a drain cycle) the counts and step progress if
+        (``mark`` given: a drain cycle) the counts and step progress if
         they changed, in as few writes as the pipe takes (usually one): every
         blocking call gives up the GIL and takes it back from vLLM's busy
         serving thread, which costs both threads far more than the call."""
@@ -268,12 +268,12 @@ class SidecarLink:
                 group, size = [], 0
             group.append((data, len(batch)))
             size += len(data)
-        if progress is not None and self.fd >= 0:
+        if mark is not None and self.fd >= 0:
             p = self.pipeline
-            counts = (progress, p.own_drops(), p.own_errors())
+            counts = (mark[1], p.own_drops(), p.own_errors())
             if counts != self._sent_counts:
                 self._sent_counts = counts
-                group.append((wire.frame(("tick", *counts)), 0))
+                group.append((wire.frame(("tick", mark[0], *counts)), 0))
         return (self._write_frames(group) if group else True) and ok
 
     def _write_frames(self, frames: list[tuple[bytes, int]]) -> bool:

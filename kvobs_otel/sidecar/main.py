@@ -106,9 +106,9 @@ class Sidecar:
             self.handled += len(batch)
             self.publish()
         elif kind == "tick":
-            _kind, progress, drops, errors = message
+            _kind, t, progress, drops, errors = message
             obs = self.observers
-            obs.progress.update(progress)
+            obs.advance(t, progress)
             obs.remote_drops, obs.remote_errors = drops, errors
         elif kind == "hello":
             from kvobs_otel.config import EXPORT_SIDECAR

@@ -4,10 +4,11 @@ A frame is a 4-byte big-endian length and a pickle of one message tuple:
 
 - ``("hello", settings, pid, clock_offset_ns)``: first, once per sidecar;
 - ``("events", [event, ...])``: event tuples as the seams offered them, and
-  the controls ``(0, REGISTER, key, spec, resource, has_progress)`` and
+  the controls ``(0, REGISTER, key, spec, resource, stepped)`` and
   ``(0, CLOSE, key)`` in their place among them;
-- ``("tick", progress, drops, errors)``: the scheduler's step counts and the
-  vLLM process's own loss and error counts, when they changed;
+- ``("tick", t_ns, progress, drops, errors)``: the schedulers' step counts
+  as of ``t_ns`` (the vLLM process's monotonic clock) and the vLLM
+  process's own loss and error counts, when they changed;
 - ``("end",)``: flush and exit (pipe EOF means the same).
 
 Pickle is safe here: the pipe is anonymous and its only writer is the

@@ -207,7 +207,7 @@ class SchedulerSeams:
             if preempted or loads or stores or flushed or admitted:
                 # (episodes is empty otherwise: the workers need nothing)
                 setattr(meta, STEP_ATTR, (self.gen, episodes, admitted))
-                self.offer((self.consumer, ev.S_STEP, _now(), preempted,
+                self.offer((self.consumer, ev.S_STEP, _now(), self.steps, preempted,
                             tuple([self.load_row(j, x) for j, x in loads.items()])
                             if loads else (),
                             tuple([(j, x.req_id, _blocks(x.src_spec), _blocks(x.dst_spec))
@@ -250,7 +250,7 @@ class SchedulerSeams:
             reporters = getattr(meta, "reporters", None)
             computed = getattr(meta, "computed", None)
             if reporters or computed:
-                self.offer((self.consumer, ev.S_RECEIPTS, _now(), reporters or (),
+                self.offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters or (),
                             computed or ()))
         except Exception:
             self.pipeline.count_error("seam")

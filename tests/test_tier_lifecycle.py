@@ -96,6 +96,7 @@ def test_a_hung_promotion_ends_as_an_error_at_the_deadline_and_its_late_result_i
 
 def test_a_hung_promotion_that_reaches_us_late_is_judged_by_when_it_happened():
     """Stepped (the vLLM host): the promotion, the engine's next 5 s of steps
+    (nothing to record but the seam's periodic step marks: the request waits)
     and the promotion's late result arrive in one backlog, with no
     processing-clock tick. It hung in event time: reported at its deadline,
     and the result counts as late."""
@@ -104,7 +105,7 @@ def test_a_hung_promotion_that_reaches_us_late_is_judged_by_when_it_happened():
                             stepped=True)
     preempted_and_promoting(lc)
     for n in range(1, 50):
-        step(lc, n * S // 10, stores=[(100 + n, "other", 1)], steps=n)
+        send(lc, ev.S_MARK, n * S // 10, n * ev.MARK_EVERY_STEPS)
     send(lc, ev.S_TIER_DONE, 5 * S, 1, True, None, 4096, 0.01, False)
     (tier,) = sink.of(rec.TierJobRecord)
     assert tier.outcome == rec.TIER_HUNG and S < tier.end_ns < 2 * S

@@ -55,6 +55,12 @@ S_TIER_NO_ROOM = 16
 S_TIER_SKIP = 17
 # A tier's back-pressure turned on or off: (tier_idx, on: bool)
 S_TIER_PRESSURE = 18
+# Every MARK_EVERY_STEPS engine steps: (steps,). Keeps event time moving while
+# the engine steps with nothing to record (a request waiting on a hung tier),
+# so that a deadline is judged when it ran out, however late the events
+# reach the export side.
+S_MARK = 19
+MARK_EVERY_STEPS = 16  # a power of two (a mask test per step)
 
 # Worker role ----------------------------------------------------------------
 # (sched_gen, loads: ((job_id, req_id, blocks), ...), stores: same,

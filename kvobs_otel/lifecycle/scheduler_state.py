@@ -153,13 +153,16 @@ class SchedulerLifecycle:
         kind, t = event[1], event[2]
         # Deadlines first, as of this event's time: a receipt that comes
         # after its job was overdue is late, however late it reached us.
-        stamped = kind == ev.S_STEP or kind == ev.S_RECEIPTS
-        self.advance(t, event[3] if stamped else 0)
         if kind == ev.S_STEP:
+            self.advance(t, event[3])
             self._step(t, *event[4:])
-        elif kind == ev.S_RECEIPTS:
+            return
+        if kind == ev.S_RECEIPTS:
+            self.advance(t, event[3])
             self._receipts(t, *event[4:])
-        elif kind == ev.S_REQUEST:
+            return
+        self.advance(t, event[3] if kind == ev.S_MARK else 0)
+        if kind == ev.S_REQUEST:
             self._request(t, event[3]).traceparent = event[4]
         elif kind == ev.S_FINISHED:
             self._finished(t, event[3], event[4])

@@ -28,6 +28,7 @@ from kvobs_otel.telemetry import attributes as A
 
 logger = logging.getLogger("kvobs_otel")
 _now = time.monotonic_ns
+_MARK_MASK = ev.MARK_EVERY_STEPS - 1
 ANY_BATCH = object()  # a V1 forward: every pending request is in the batch
 
 
@@ -181,6 +182,8 @@ class SchedulerSeams:
     def after_build_meta(self, so: Any, meta: Any) -> None:
         self.steps += 1
         try:
+            if not self.steps & _MARK_MASK:
+                self.offer((self.consumer, ev.S_MARK, _now(), self.steps))
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             preempted_ids, open_ = so.preempted_req_ids, self.open
             if not (preempted_ids or open_ or loads or stores or flushed):

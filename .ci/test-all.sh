@@ -30,6 +30,9 @@ for run in "${runs[@]}"; do
   v=${run% *}
   venv[$v]=$(bash "$here/setup-env.sh" "$v") || exit 1
 done
+for run in "${runs[@]}"; do  # vLLM's own tests, from each release's sdist
+  bash "$here/setup-vllm-tests.sh" "${run% *}" >/dev/null || exit 1
+done
 servers=$(bash "$here/setup-servers.sh") || exit 1
 eval "$servers"
 
@@ -39,6 +42,9 @@ trap 'rm -rf "$tmp"' EXIT
 # compared across releases after the runs.
 export KVOBS_SHAPES_DIR="$tmp/shapes"
 mkdir -p "$KVOBS_SHAPES_DIR"
+# tests/test_vllm_own_tests.py writes its per-release counts here.
+export KVOBS_OWN_TESTS_DIR="$tmp/own-tests"
+mkdir -p "$KVOBS_OWN_TESTS_DIR"
 counts() {  # counts JUNIT_XML: "N passed, N failed, N skipped, N errors"
   python3 - "$1" <<'PY'
 import sys
@@ -106,5 +112,6 @@ if [ -z "${KVOBS_VLLM:-}" ] && [ $# = 0 ] && [ "${engine_ran:-0}" = 0 ]; then
 fi
 echo "== kvobs-otel test summary"
 printf '%s\n' "${summary[@]}"
+cat "$KVOBS_OWN_TESTS_DIR"/*.txt 2>/dev/null
 tail -n 1 "$tmp/shapes.txt"
 exit $status

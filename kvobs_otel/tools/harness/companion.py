@@ -15,11 +15,15 @@ request once, on its first scheduling; with ``serve`` (extra config
   one, so the OffloadingConnector stores every request as without it);
 - ``"all"``: new requests and re-admissions.
 
-``served`` (scheduler role) counts what it claimed per request, for tests.
+``served`` (scheduler role) counts what it claimed per request, for tests;
+with ``companion_ledger`` (extra config: a file path) each claim is also
+appended there as a JSON line (a real engine's scheduler runs in the
+EngineCore process, out of a test's reach).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -29,15 +33,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
 )
 
 SERVE_KEY = "companion_serve"
+LEDGER_KEY = "companion_ledger"
 SERVE_MODES = ("readmissions", "all")
 CLASS_NAME = "CompanionConnector"
 MODULE_PATH = __name__
 
 
 class _Scheduler(DecodeBenchConnectorScheduler):
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, serve: str) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, serve: str,
+                 ledger: str | None) -> None:
         super().__init__(vllm_config, kv_cache_config)
         self.serve = serve
+        self.ledger = ledger
         # req_id -> the preemption count it was last served at
         self._served_at: dict[str, int] = {}
         # req_id -> tokens claimed, summed over its schedulings (tests read it)
@@ -59,6 +66,10 @@ class _Scheduler(DecodeBenchConnectorScheduler):
             r = request.request_id
             self._served_at[r] = request.num_preemptions
             self.served[r] = self.served.get(r, 0) + num_external_tokens
+            if self.ledger:
+                with open(self.ledger, "a") as f:
+                    f.write(json.dumps({"request": r, "preemptions": request.num_preemptions,
+                                        "tokens": num_external_tokens}) + "\n")
 
 
 class CompanionConnector(DecodeBenchConnector):
@@ -68,11 +79,13 @@ class CompanionConnector(DecodeBenchConnector):
         # what was claimed (its integrity check reads it); elsewhere the
         # claimed blocks get DecodeBench's constant fill.
         self.fill_true_kv: Any = None
-        serve = vllm_config.kv_transfer_config.get_from_extra_config(SERVE_KEY, "readmissions")
+        kv = vllm_config.kv_transfer_config
+        serve = kv.get_from_extra_config(SERVE_KEY, "readmissions")
         if serve not in SERVE_MODES:
             raise ValueError(f"{SERVE_KEY} must be one of {SERVE_MODES}, not {serve!r}")
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = _Scheduler(vllm_config, kv_cache_config, serve)
+            self.connector_scheduler = _Scheduler(vllm_config, kv_cache_config, serve,
+                                                  kv.get_from_extra_config(LEDGER_KEY, None))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.fill_true_kv is None:
@@ -82,7 +95,10 @@ class CompanionConnector(DecodeBenchConnector):
         return None
 
 
-def config(serve: str = "readmissions") -> dict[str, Any]:
+def config(serve: str = "readmissions", ledger: str | None = None) -> dict[str, Any]:
     """Its entry in the MultiConnector's ``connectors`` list."""
+    extra: dict[str, Any] = {SERVE_KEY: serve}
+    if ledger:
+        extra[LEDGER_KEY] = ledger
     return {"kv_connector": CLASS_NAME, "kv_connector_module_path": MODULE_PATH,
-            "kv_role": "kv_both", "kv_connector_extra_config": {SERVE_KEY: serve}}
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs_otel.tools.harness.config import HARNESS_SPEC_MODULE, HARNESS_SPEC_NAME
+from kvobs_otel.tools.harness.config import HARNESS_SPEC_MODULE, HARNESS_SPEC_NAME, OFFLOADING
 
 # How the engine is observed (the three benchmark variants plus the explicit
 # connector): plugin = our vllm.general_plugins entry point, enabled;
@@ -57,6 +57,10 @@ class ServeConfig:
     # (fault injection of the CPU copy backend, see cpu_backend.py).
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    # vLLM's MultiConnector: its children in order, config.OFFLOADING standing
+    # for the OffloadingConnector above, the others KVTransferConfig dicts
+    # (as HarnessConfig.multi).
+    multi: tuple[Any, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.observe not in OBSERVE_MODES:
@@ -75,6 +79,10 @@ class ServeConfig:
         }
         if self.observe == "explicit":
             cfg["kv_connector"], cfg["kv_connector_module_path"] = EXPLICIT_CONNECTOR
+        if self.multi:
+            children = [cfg if c == OFFLOADING else dict(c) for c in self.multi]
+            cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"connectors": children}}
         return cfg
 
     def argv(self, model: str, port: int, python: str = sys.executable) -> list[str]:

@@ -86,6 +86,12 @@ def test_inside_multiconnector_a_real_engine_is_traced_and_accounted_as_vllm_cou
                 + a["kvobs.tokens.other_connector"])
         assert a["kvobs.tokens.recomputed"] == max(0, a["kvobs.tokens.discarded"] - held), a
     assert +other == claimed
+    print(f"MultiConnector real engine: {truth.preemptions} preemptions, {len(roots)} episodes, "
+          f"{truth.loads} restores ({truth.load_bytes} B) as vLLM counted; tokens "
+          + str({k: sum(a.get(f"kvobs.tokens.{k}", 0) for a in roots) for k in (
+              "discarded", "restored", "other_connector", "resident", "recomputed")})
+          + f"; the other connector's ledger: {sum(claimed.values())} tokens, "
+          f"{len(claimed)} requests")
     # Both served re-admissions in this run: the CPU tier restored some
     # (vLLM counted the transfers) and the other connector the rest.
     assert truth.loads > 0 and sum(a["kvobs.tokens.restored"] for a in resumed) > 0

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
 from oracle import EngineTruth, assert_engine_traces_match_vllm
@@ -73,6 +74,24 @@ def load(server: EngineServer, **kw):
     from kvobs_otel.tools.harness.client import run_load
 
     return run_load(server.base_url, **{**LOAD, **kw})
+
+
+def serve_once(model: str, tmp_path, cfg: ServeConfig, env: dict[str, str], salt: str,
+               settle_s: float = 0.0) -> tuple[EngineTruth, Any]:
+    """One engine, one load, SIGTERM: what vLLM counted (its /metrics, read
+    ``settle_s`` after the load) and the client's result. Asserts the engine
+    stopped cleanly and served every request whole."""
+    server = start_server(model, tmp_path, cfg, env)
+    try:
+        result = load(server, salt=salt)
+        time.sleep(settle_s)
+        vllm_metrics = server.metrics_text()
+    finally:
+        code = server.stop(signal.SIGTERM)
+    assert code == 0, code
+    assert not result.errors, result.errors[:3]
+    finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
+    return EngineTruth.read(vllm_metrics, finished, num_ranks=2), result
 
 
 def jaeger_source(stack, service: str) -> str:
@@ -309,17 +328,8 @@ def test_the_explicit_connector_class_traces_the_real_engine(stack, model, tmp_p
     # busy machine their own shutdown can take that long, and this test is
     # about what a process delivers when it is let to finish.
     cfg = ServeConfig(observe="explicit", extra_args=["--shutdown-timeout", "30"])
-    server = start_server(model, tmp_path, cfg, otel_env(endpoint, service))
-    try:
-        result = load(server, salt="explicit")
-        vllm_metrics = server.metrics_text()
-    finally:
-        code = server.stop(signal.SIGTERM)
-    assert code == 0, code
-    assert not result.errors, result.errors[:3]
-    finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
-    truth = EngineTruth.read(vllm_metrics, finished, num_ranks=2)
-    assert finished and truth.preemptions > 0
+    truth, _result = serve_once(model, tmp_path, cfg, otel_env(endpoint, service), "explicit")
+    assert truth.all_finished and truth.preemptions > 0
     episodes = wait_episodes(stack, service, truth.preemptions)
     assert_engine_traces_match_vllm(truth, load_spans(jaeger_source(stack, service)))
     assert len(episodes) == truth.preemptions

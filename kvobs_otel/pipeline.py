@@ -248,6 +248,10 @@ class Pipeline:
         handled; sidecar: written to its pipe)."""
         self.drain_once()
 
+    def wake(self) -> None:
+        """The drain thread runs its next cycle now (a registration waits)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop = True
         self._wake.set()

@@ -31,9 +31,9 @@ def test_usage_errors_exit_2_with_one_line_no_traceback(args):
     assert "Traceback" not in res.stderr and "error:" in res.stderr
 
 
-@pytest.mark.parametrize("module", ["kvobs_otel", "kvobs_otel.cli"])
-def test_python_dash_m_runs_the_cli(module):
-    # `python -m kvobs_otel` (kvobs_otel/__main__.py); `kvobs_otel.cli` is the old path, kept.
+def test_python_dash_m_runs_the_cli():
+    # `python -m kvobs_otel` (kvobs_otel/__main__.py)
+    module = "kvobs_otel"
     res = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -50,3 +50,12 @@ def test_importing_the_package_imports_no_tool():
         capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_the_version_is_pyprojects():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    project = text.split("[project]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^version = "([^"]+)"', project, re.M).group(1) == __version__

@@ -1,4 +1,4 @@
-"""The pure-Python parts of benchmarks/gateway_sizing.py: re-sent episodes
+"""The pure-Python parts of benchmarks/gateway_sizing/: re-sent episodes
 keep the recorded shapes with fresh ids, the line fit, the sizing
 arithmetic and the reading of the Collector's metrics. No Collector, no
 timing."""
@@ -11,14 +11,9 @@ import random
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from benchmarks.gateway_sizing import (
-    counters,
-    fit_line,
-    load_episodes,
-    parse_metrics,
-    shipped_settings,
-    size_gateway,
-)
+from benchmarks.gateway_sizing.fit import fit_line, shipped_settings, size_gateway
+from benchmarks.gateway_sizing.gateway import counters, parse_metrics
+from benchmarks.gateway_sizing.recording import load_episodes
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 REQUEST_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -18,8 +18,6 @@ TOOLS = "kvobs_otel.tools"
 # run or imported only by people, never by the runtime (checked below).
 ENTRY_POINTS = {
     "kvobs_otel.__main__": "python -m kvobs_otel",
-    "kvobs_otel.cli": "old path of kvobs_otel.tools.cli",
-    "kvobs_otel.harness": "old path of kvobs_otel.tools.harness",
 }
 
 
@@ -102,7 +100,7 @@ def test_the_check_sees_every_spelling(tmp_path):
         "from . import tools",
         "import importlib\nimportlib.import_module('kvobs_otel.tools.harness')",
         "def f():\n    from kvobs_otel.tools.check import check_spans",
-        "import kvobs_otel.harness",
+        "import kvobs_otel.__main__",
     ]
     clean = ['"""Mentions kvobs_otel.tools in a docstring only."""\nimport kvobs_otel.pipeline']
     package = tmp_path / "kvobs_otel"
@@ -120,3 +118,90 @@ def test_the_entry_points_only_hand_over():
         path = PACKAGE.parent / (name.replace(".", "/") + ".py")
         tree = ast.parse(path.read_text())
         assert len(tree.body) <= 6, name
+
+
+def module_file(name: str, package: Path = PACKAGE) -> Path | None:
+    base = package.parent / name.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package modules its import statements load (anywhere in
+    it, TYPE_CHECKING and function-level imports too; ``from pkg import
+    sub`` loads ``sub``, not ``pkg``'s other modules)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        name = module_name(path, package)
+        own = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    base = own.split(".")[: len(own.split(".")) - node.level + 1]
+                    module = ".".join(base + ([module] if module else []))
+                subs = {f"{module}.{a.name}" for a in node.names}
+                found = {s for s in subs if module_file(s, package)}
+                targets |= found if found == subs else found | {module}
+        graph[name] = {t for t in targets if t != name and module_file(t, package)
+                       and t.split(".")[0] == package.name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_the_package():
+    graph = import_graph()
+    assert len(graph) > 60 and graph["kvobs_otel.pipeline"], "the walk found the package"
+    assert not circles(graph), circles(graph)
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    # The rule itself, on a package written for the purpose, including a
+    # circle closed only by a TYPE_CHECKING import.
+    package = tmp_path / "kvobs_otel"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from kvobs_otel.sub import b\n")
+    (package / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvobs_otel import a\n")
+    (package / "c.py").write_text("from kvobs_otel import a\n")
+    assert circles(import_graph(package)) == [["kvobs_otel.a", "kvobs_otel.sub.b"]]
+    (package / "sub" / "b.py").write_text("import json\n")
+    assert circles(import_graph(package)) == []

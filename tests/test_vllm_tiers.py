@@ -304,7 +304,7 @@ def test_tiers_whose_classes_changed_are_refused_and_gpu_cpu_tracing_goes_on(
 
     original = TieringMetricsTracker.on_job_finished
     monkeypatch.setattr(TieringMetricsTracker, "on_job_finished", on_job_finished)
-    monkeypatch.setattr(releases, "_PART_CHECKED", {})
+    monkeypatch.setattr(releases.shape, "_PART_CHECKED", {})
     with Harness(HarnessConfig(num_ranks=2, tier="fs", num_cpu_chunks=16)) as h:
         pressure_workload(h)
         h.run_until_idle(2000)

@@ -13,12 +13,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvobs_otel.lifecycle import records as rec
 
-if TYPE_CHECKING:
-    from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
+
+class _Owner(Protocol):
+    """The part of scheduler_state.SchedulerLifecycle a ledger works on,
+    named here so that the ledger does not import its owner."""
+
+    gen: str
+    sink: Any
+    jobs: dict[int, Any]
+    episodes: dict[str, Any]
+    requests: dict[str, Any]
+
+    def _request(self, t: int, req_id: str) -> Any: ...
+    def _end_episode(self, req_id: str, ep: Any, t: int, outcome: str,
+                     cause: str | None = None) -> None: ...
+    def _maybe_end_request(self, req_id: str, r: Any, force: str | None = None,
+                           cause: str | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -45,7 +59,7 @@ class TierLedger:
     # Remember this many tier jobs reported hung, to tell a late result.
     _HUNG_MEMORY = 4096
 
-    def __init__(self, owner: SchedulerLifecycle, tiers: list[tuple[str, str, str]]) -> None:
+    def __init__(self, owner: _Owner, tiers: list[tuple[str, str, str]]) -> None:
         self.owner = owner
         self.tiers = tiers
         self.jobs: dict[int, _TierJob] = {}

@@ -39,14 +39,28 @@ import sys
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvobs_otel.clock import wall_anchor_ns
 from kvobs_otel.sidecar import wire
 from kvobs_otel.sidecar.main import ACCEPTED_AT, BASE_AT, SHARED
 
-if TYPE_CHECKING:
-    from kvobs_otel.pipeline import Pipeline
+
+class LinkOwner(Protocol):
+    """What the link needs of its pipeline (kvobs_otel.pipeline.Pipeline),
+    named here so that the link does not import the pipeline: the pipeline
+    holds the link, not the other way round."""
+
+    settings: Any
+    buffer: Any  # buffer.EventBuffer
+    registered: dict[int, tuple[Any, dict[str, Any], Any]]
+
+    def wake(self) -> None: ...
+    def count_error(self, stage: str, quiet: bool = False) -> None: ...
+    def own_drops(self) -> dict[str, int]: ...
+    def own_errors(self) -> dict[str, int]: ...
+    def fall_back_in_process(self) -> None: ...
+
 
 logger = logging.getLogger("kvobs_otel")
 
@@ -76,7 +90,7 @@ if hasattr(os, "register_at_fork"):
 
 
 class SidecarLink:
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: LinkOwner) -> None:
         self.pipeline = pipeline
         self.proc: subprocess.Popen[bytes] | None = None  # the intermediate
         self.fd = -1
@@ -215,7 +229,7 @@ class SidecarLink:
         # Among the events, so it precedes the role's first one; never
         # dropped (a control does not count against the bound).
         self.pipeline.buffer.put_control((CONTROL_KEY, REGISTER, key, spec, resource, progress))
-        self.pipeline._wake.set()
+        self.pipeline.wake()
 
     def _restart_if_ended(self) -> None:
         if self.ended and self.pipeline.registered:

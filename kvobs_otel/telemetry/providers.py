@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from kvobs_otel import __version__
+from kvobs_otel.package import __version__
 from kvobs_otel.telemetry.export import (
     CountingMetricExporter,
     CountingSpanProcessor,

@@ -21,9 +21,10 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from kvobs_otel import __version__, identity
+from kvobs_otel import identity
 from kvobs_otel.clock import wall_anchor_ns
 from kvobs_otel.lifecycle import records as rec
+from kvobs_otel.package import __version__
 from kvobs_otel.telemetry import attributes as A
 from kvobs_otel.telemetry.otlp_encode import SpanEncoder
 from kvobs_otel.telemetry.providers import SCOPE, Providers

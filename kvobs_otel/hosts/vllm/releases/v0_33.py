@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvobs_otel.hosts.vllm.releases import (
+from kvobs_otel.hosts.vllm.releases.shape import (
     BASE_CONNECTOR,
     COMMON,
     CONNECTOR,

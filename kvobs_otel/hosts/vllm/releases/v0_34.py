@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvobs_otel.hosts.vllm.releases import COMMON, OFFLOAD_BASE, Release, v0_33
+from kvobs_otel.hosts.vllm.releases import v0_33
+from kvobs_otel.hosts.vllm.releases.shape import COMMON, OFFLOAD_BASE, Release
 
 METHODS = {
     **v0_33.METHODS,

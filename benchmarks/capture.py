@@ -21,8 +21,8 @@ from typing import Any
 from benchmarks.workload import HeavyOffload, WorkloadShape, harness_config
 
 # Seams on the connector facade: benchmark name -> (seam method, role,
-# facade method, inner object attribute). The wrapper on the facade method
-# calls vLLM (which delegates to the inner object), then the seam.
+# facade method, inner object attribute or ""). The wrapper on the facade
+# method calls vLLM (which delegates to the inner object), then the seam.
 FACADE_SEAMS: dict[str, tuple[str, str, str, str]] = {
     "scheduler.build_connector_meta": ("after_build_meta", "scheduler", "build_connector_meta",
                                        "connector_scheduler"),
@@ -30,8 +30,8 @@ FACADE_SEAMS: dict[str, tuple[str, str, str, str]] = {
                                           "update_connector_output", "connector_scheduler"),
     "scheduler.request_finished": ("on_request_finished", "scheduler", "request_finished",
                                    "connector_scheduler"),
-    "worker.handle_preemptions": ("note_meta", "worker", "handle_preemptions",
-                                  "connector_worker"),
+    # (vLLM's base class keeps the metadata itself: no inner object to time)
+    "worker.bind_connector_metadata": ("note_meta", "worker", "bind_connector_metadata", ""),
 }
 # Seams wrapped on the OffloadingWorker instance (only when observed).
 WORKER_SEAMS = ("submit_store", "submit_load", "get_finished")
@@ -144,9 +144,10 @@ def run_capture(shape: WorkloadShape) -> Capture:
             before = snap_preempted if method == "after_build_meta" else None
             shadow(seams, method, _recorder(pipeline, cap.calls.setdefault(name, []),
                                             getattr(seams, method), before))
-            inner = getattr(conn, inner_attr)
-            shadow(inner, facade, _timer(cap.real_ns.setdefault(name, []),
-                                         getattr(inner, facade)))
+            if inner_attr:
+                inner = getattr(conn, inner_attr)
+                shadow(inner, facade, _timer(cap.real_ns.setdefault(name, []),
+                                             getattr(inner, facade)))
         worker = work_conn.connector_worker.worker
         for method in WORKER_SEAMS:
             # worker.<method> is already the seam's wrapper of vLLM's method.

@@ -59,8 +59,8 @@ class _ReplayScheduler:
 
 
 class _ReplayConnectorWorker:
-    def handle_preemptions(self, metadata: Any) -> None:
-        return None
+    """The facade's worker side: the replayed worker seam (bind) delegates
+    nothing to it; it only makes the facade a worker-role connector."""
 
 
 class _ReplayOffloadingWorker:

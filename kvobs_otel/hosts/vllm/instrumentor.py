@@ -31,6 +31,14 @@ _release: releases.Release | None = None
 _refusal: releases.Selection | None = None
 
 
+def _default(cls: type, name: str, value: Any) -> None:
+    """A class attribute every instance reads until it has its own: a plain
+    attribute load in the per-step wrappers (``self.__dict__`` is looked up
+    through the class's MRO on every call and never specialized)."""
+    _patches.append((cls, name, cls.__dict__.get(name, _MISSING)))
+    setattr(cls, name, value)
+
+
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     original = cls.__dict__.get(name, _MISSING)
     target = getattr(cls, name)
@@ -53,7 +61,7 @@ def _after(method: str):
     def make(orig):
         def wrapper(self, *args, **kwargs):
             result = orig(self, *args, **kwargs)
-            s = self.__dict__.get(_ATTR)
+            s = self._kvobs
             if s is not None:
                 getattr(s, method)(*args, **kwargs)
             return result
@@ -63,42 +71,33 @@ def _after(method: str):
 
 # Per-step seams: wrappers spelled out, without the generic ones' getattr and
 # argument re-packing (the seams' cost on the serving thread is mostly the
-# Python they run, cold, every step). Each keeps vLLM's parameter name, so a
-# keyword call still works, and passes on anything else it is given. They call
-# the seam only when it can record something (new metadata, first computes
-# pending or to report): most steps of most ranks have neither.
-def _note_meta_handle(orig):
-    def handle_preemptions(self, kv_connector_metadata, *args, **kwargs):
-        s = self.__dict__.get(_ATTR)
-        if s is not None and s.last_meta is not kv_connector_metadata:
-            s.note_meta(kv_connector_metadata)
-        return orig(self, kv_connector_metadata, *args, **kwargs)
-    return handle_preemptions
-
-
+# Python they run, every step). Each keeps vLLM's parameter name, so a keyword
+# call still works, and passes on anything else it is given. They call the
+# seam only when it can record something: most steps of most ranks have
+# nothing. The worker's start_load_kv and wait_for_save are not wrapped here:
+# its seams watch them on the instance only while a first compute is pending
+# (seams.WorkerSeams._arm). handle_preemptions is not watched: the step's
+# metadata is noted at bind_connector_metadata, which every runner calls each
+# step (V2 right after handle_preemptions); what it records of the step is
+# needed only when the step's transfers complete.
 def _note_meta_bind(orig):
     def bind_connector_metadata(self, connector_metadata, *args, **kwargs):
-        s = self.__dict__.get(_ATTR)
+        s = self._kvobs
         if s is not None and s.last_meta is not connector_metadata:
-            s.note_meta(connector_metadata)
+            # Most steps carry no extension and no first compute is pending:
+            # noted here, without a call.
+            if s.pending or getattr(connector_metadata, "kvobs_step", None) is not None:
+                s.note_meta(connector_metadata)
+            else:
+                s.last_meta = connector_metadata
         return orig(self, connector_metadata, *args, **kwargs)
     return bind_connector_metadata
-
-
-def _wait_for_save(orig):
-    def wait_for_save(self, *args, **kwargs):
-        result = orig(self, *args, **kwargs)
-        s = self.__dict__.get(_ATTR)
-        if s is not None and s.pending:
-            s.after_save()
-        return result
-    return wait_for_save
 
 
 def _worker_meta(orig):
     def build_connector_worker_meta(self, *args, **kwargs):
         meta = orig(self, *args, **kwargs)
-        s = self.__dict__.get(_ATTR)
+        s = self._kvobs
         if s is None or (meta is None and not s.computed):
             return meta
         return s.worker_meta(meta)
@@ -108,7 +107,7 @@ def _worker_meta(orig):
 def _after_alloc(orig):
     def update_state_after_alloc(self, request, blocks, num_external_tokens, *args, **kwargs):
         result = orig(self, request, blocks, num_external_tokens, *args, **kwargs)
-        s = self.__dict__.get(_ATTR)
+        s = self._kvobs
         if s is not None:  # once per admission, not per step
             s.after_alloc(request, num_external_tokens)
         return result
@@ -120,8 +119,8 @@ def _matched(orig):
     # transitions into and out of the connector's "not yet".
     def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kwargs):
         result = orig(self, request, num_computed_tokens, *args, **kwargs)
-        s = self.__dict__.get(_ATTR)
-        if s is not None:
+        s = self._kvobs
+        if s is not None and (s.waits or result[0] is None):
             s.on_matched(request, result)
         return result
     return get_num_new_matched_tokens
@@ -137,7 +136,6 @@ def _preempt(orig):
     return _preempt_request
 
 
-_NO_DICT: dict[str, Any] = {}
 # MultiConnector.update_state_after_alloc calls in progress (the scheduler
 # thread only): a MultiConnector inside another reports nothing itself.
 _composing = [0]
@@ -157,7 +155,7 @@ def scheduler_seams(connector: Any) -> list[tuple[Any, bool]]:
             if not todo:
                 break
             c, composed = todo.pop()
-            s = getattr(c, "__dict__", _NO_DICT).get(_ATTR)
+            s = getattr(c, _ATTR, None)
             if s is not None:
                 out.append((s, composed))
             else:
@@ -185,10 +183,15 @@ def _multi_after_alloc(orig):
 
 
 def _connector_output(orig):
+    # Only our subclass of vLLM's worker metadata carries receipts: a step no
+    # rank reported in costs a type test.
+    from kvobs_otel.hosts.vllm.metadata import ReceiptWorkerMetadata
+
     def update_connector_output(self, connector_output, *args, **kwargs):
         result = orig(self, connector_output, *args, **kwargs)
-        s = self.__dict__.get(_ATTR)
-        if s is not None:
+        s = self._kvobs
+        if s is not None and type(getattr(connector_output, "kv_connector_worker_meta", None)
+                                  ) is ReceiptWorkerMetadata:
             s.after_connector_output(connector_output)
         return result
     return update_connector_output
@@ -197,24 +200,11 @@ def _connector_output(orig):
 def _build_meta(orig):
     def build_connector_meta(self, scheduler_output):
         meta = orig(self, scheduler_output)
-        s = self.__dict__.get(_ATTR)
+        s = self._kvobs
         if s is not None:
             s.after_build_meta(scheduler_output, meta)
         return meta
     return build_connector_meta
-
-
-def _start_load(orig):
-    def start_load_kv(self, forward_context, **kwargs):
-        s = self.__dict__.get(_ATTR)
-        if s is not None:
-            meta = self._connector_metadata
-            if s.last_meta is not meta:
-                s.note_meta(meta)
-            if s.pending:
-                s.on_start_load(forward_context, kwargs)
-        return orig(self, forward_context, **kwargs)
-    return start_load_kv
 
 
 def _shutdown(orig):
@@ -222,7 +212,7 @@ def _shutdown(orig):
         try:
             orig(self)
         finally:
-            s = self.__dict__.get(_ATTR)
+            s = self._kvobs
             if s is not None:
                 s.on_shutdown()
     return shutdown
@@ -231,7 +221,7 @@ def _shutdown(orig):
 def _init_worker(orig):
     def _init_worker(self, *args, **kwargs):
         orig(self, *args, **kwargs)
-        s = self.__dict__.get(_ATTR)
+        s = self._kvobs
         if s is not None:
             s.attach_worker(self)
     return _init_worker
@@ -240,7 +230,7 @@ def _init_worker(orig):
 def _register_kv_caches(orig):
     def register_kv_caches(self, *args, **kwargs):
         result = orig(self, *args, **kwargs)
-        s = self.__dict__.get(_ATTR)
+        s = self._kvobs
         if s is not None and getattr(self, "connector_worker", None) is not None:
             s.attach_worker(self.connector_worker)
         return result
@@ -258,11 +248,11 @@ def _attach(connector: Any) -> None:
 
         pipeline = get_pipeline(settings)
         if getattr(connector, "connector_scheduler", None) is not None:
-            connector.__dict__[_ATTR] = SchedulerSeams(connector, settings, pipeline, release)
+            setattr(connector, _ATTR, SchedulerSeams(connector, settings, pipeline, release))
         elif getattr(connector, "connector_worker", None) is not None:
             seams = WorkerSeams(connector, settings, pipeline, release)
-            connector.__dict__[_ATTR] = seams
-            connector.connector_worker.__dict__[_ATTR] = seams
+            setattr(connector, _ATTR, seams)
+            setattr(connector.connector_worker, _ATTR, seams)
         _connectors.add(connector)
     except Exception:
         logger.warning("kvobs-otel: could not attach to %s; observation off for it",
@@ -310,6 +300,9 @@ def _export_refusal(settings: Settings, sel: releases.Selection) -> None:
 
 def patch_classes(settings: Settings, release: releases.Release) -> None:
     global _settings, _release
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
         OffloadingConnectorWorker,
     )
@@ -318,8 +311,15 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     )
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from kvobs_otel.hosts.vllm.metadata import STEP_ATTR
+
     _settings, _release = settings, release
     C = OffloadingConnector
+    _default(C, _ATTR, None)
+    _default(OffloadingConnectorWorker, _ATTR, None)
+    # Every step's metadata has the extension (None: nothing this step), so
+    # its attributes keep one layout for vLLM's code and ours alike.
+    _default(OffloadingConnectorMetadata, STEP_ATTR, None)
     _wrap(C, "__init__", _init)
     # scheduler role
     _wrap(C, "on_new_request", _after("on_new_request"))
@@ -332,10 +332,7 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     _wrap(C, "reset_cache", _after("on_reset_cache"))
     _wrap(Scheduler, "_preempt_request", _preempt)
     # worker role
-    _wrap(C, "handle_preemptions", _note_meta_handle)
     _wrap(C, "bind_connector_metadata", _note_meta_bind)
-    _wrap(C, "start_load_kv", _start_load)
-    _wrap(C, "wait_for_save", _wait_for_save)
     _wrap(C, "build_connector_worker_meta", _worker_meta)
     _wrap(C, "register_kv_caches", _register_kv_caches)
     _wrap(OffloadingConnectorWorker, "_init_worker", _init_worker)

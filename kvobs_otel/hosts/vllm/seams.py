@@ -15,7 +15,7 @@ from typing import Any
 from kvobs_otel import identity
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.platform import device_type, vllm_version
-from kvobs_otel.hosts.vllm.metadata import STEP_ATTR, extend
+from kvobs_otel.hosts.vllm.metadata import extend
 from kvobs_otel.hosts.vllm.releases import Release
 from kvobs_otel.hosts.vllm.releases import blocks as _blocks
 from kvobs_otel.hosts.vllm.tier_seams import TierSeams, describe, tiering_manager
@@ -182,12 +182,16 @@ class SchedulerSeams:
     def after_build_meta(self, so: Any, meta: Any) -> None:
         self.steps += 1
         try:
+            # (a local: an instance attribute holding a callable is looked up
+            # generically by a method-call site, every time)
+            offer = self.offer
             if not self.steps & _MARK_MASK:
-                self.offer((self.consumer, ev.S_MARK, _now(), self.steps))
+                offer((self.consumer, ev.S_MARK, _now(), self.steps))
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             preempted_ids, open_ = so.preempted_req_ids, self.open
             if not (preempted_ids or open_ or loads or stores or flushed):
-                return  # an idle step: nothing for the workers or the drain thread
+                meta.kvobs_step = None  # an idle step: nothing for the workers or the drain
+                return
             # (list comprehensions, not tuple(generator): about half the cost)
             episodes: dict[str, int] = {}
             preempted: tuple[tuple[str, int], ...] = ()
@@ -207,16 +211,22 @@ class SchedulerSeams:
                 for r, (epoch, _k) in admitted.items():
                     episodes[r] = epoch
                     del open_[r]
-            if preempted or loads or stores or flushed or admitted:
-                # (episodes is empty otherwise: the workers need nothing)
-                setattr(meta, STEP_ATTR, (self.gen, episodes, admitted))
-                self.offer((self.consumer, ev.S_STEP, _now(), self.steps, preempted,
-                            tuple([self.load_row(j, x) for j, x in loads.items()])
-                            if loads else (),
-                            tuple([(j, x.req_id, _blocks(x.src_spec), _blocks(x.dst_spec))
-                                   for j, x in stores.items()]) if stores else (),
-                            tuple(flushed) if flushed else (),
-                            self._accounted(admitted) if admitted else ()))
+            if not (preempted or loads or stores or flushed or admitted):
+                meta.kvobs_step = None
+                return
+            load_row = self.load_row
+            load_rows = tuple([load_row(j, x) for j, x in loads.items()]) if loads else ()
+            store_rows = tuple([(j, x.req_id, _blocks(x.src_spec), _blocks(x.dst_spec))
+                                for j, x in stores.items()]) if stores else ()
+            flushed = tuple(flushed) if flushed else ()
+            # The workers' rows travel built (every rank would build the
+            # same ones): loads with their device blocks, stores with theirs.
+            meta.kvobs_step = (
+                self.gen, episodes, admitted,
+                tuple([(r[0], r[1], r[-1]) for r in load_rows]) if loads else (),
+                tuple([r[:3] for r in store_rows]) if stores else (), flushed)
+            offer((self.consumer, ev.S_STEP, _now(), self.steps, preempted, load_rows,
+                   store_rows, flushed, self._accounted(admitted) if admitted else ()))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -253,8 +263,9 @@ class SchedulerSeams:
             reporters = getattr(meta, "reporters", None)
             computed = getattr(meta, "computed", None)
             if reporters or computed:
-                self.offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters or (),
-                            computed or ()))
+                offer = self.offer
+                offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters or (),
+                       computed or ()))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -304,6 +315,8 @@ class WorkerSeams:
         tp = max(1, int(pc.tensor_parallel_size))
         self.gen = identity.new_generation()
         self.pipeline = pipeline
+        self.connector = connector
+        self._armed = False
         self.consumer = pipeline.register(
             (WorkerLifecycle, {"rank": self.rank, "worker_gen": self.gen}),
             _resource(connector, settings, "worker", **{
@@ -326,34 +339,60 @@ class WorkerSeams:
         self._wrapped: list[tuple[Any, tuple[str, ...]]] = []
 
     # -- per step ---------------------------------------------------------------
-    # The wrappers call these only when there can be something to record (see
-    # instrumentor.py): the seams run on every step of every rank.
+    # Always on (instrumentor.py): bind_connector_metadata (note_meta),
+    # build_connector_worker_meta and the OffloadingWorker's get_finished, one
+    # call each per step and rank. start_load_kv and wait_for_save are watched
+    # only while a first compute is pending on this rank (``_arm``): most
+    # steps of most ranks run vLLM's own methods there.
     def note_meta(self, meta: Any) -> None:
         """First sight of this step's metadata (``meta`` is not ``last_meta``)."""
         try:
             self.last_meta = meta
-            self.forward = None
             # The scheduler's seam extends the metadata of every step that has
             # jobs, preemptions or admissions; the others carry nothing.
-            step = getattr(meta, STEP_ATTR, None)
-            if step is None and not self.pending:
+            step = meta.kvobs_step  # (None: a class default, instrumentor.py)
+            if step is None:
+                if self.pending:
+                    self._bind_ns = _now()
+                    self.forward = None
                 return
             self._bind_ns = t = _now()
-            if step is None:
-                return
-            self.sched_gen, episodes, admitted = step
-            for r, (epoch, kind) in admitted.items():
-                self.pending[r] = (epoch, kind, self.sched_gen)
-            loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
+            self.forward = None
+            self.sched_gen, episodes, admitted, loads, stores, flushed = step
+            if admitted:
+                for r, (epoch, kind) in admitted.items():
+                    self.pending[r] = (epoch, kind, self.sched_gen)
+                self._arm(True)
             if loads or stores or flushed:
-                self.offer((self.consumer, ev.W_STEP, t, self.sched_gen,
-                            tuple([(j, x.req_id, _blocks(x.dst_spec)) for j, x in loads.items()])
-                            if loads else (),
-                            tuple([(j, x.req_id, _blocks(x.src_spec)) for j, x in stores.items()])
-                            if stores else (),
-                            tuple(flushed) if flushed else (), episodes))
+                offer = self.offer
+                offer((self.consumer, ev.W_STEP, t, self.sched_gen, loads, stores, flushed,
+                       episodes))
         except Exception:
             self.pipeline.count_error("seam")
+
+    def _arm(self, on: bool) -> None:
+        """Watch this connector's start_load_kv and wait_for_save (instance
+        attributes, ahead of the class's methods), or stop watching."""
+        if on == self._armed:
+            return
+        c = self.connector
+        if on:
+            c.start_load_kv = self._watched_start_load
+            c.wait_for_save = self._watched_wait_for_save
+        else:
+            del c.start_load_kv, c.wait_for_save
+        self._armed = on
+
+    def _watched_start_load(self, forward_context: Any, **kwargs: Any) -> Any:
+        self.on_start_load(forward_context, kwargs)
+        c = self.connector
+        return type(c).start_load_kv(c, forward_context, **kwargs)
+
+    def _watched_wait_for_save(self, *args: Any, **kwargs: Any) -> Any:
+        c = self.connector
+        result = type(c).wait_for_save(c, *args, **kwargs)
+        self.after_save()
+        return result
 
     def on_start_load(self, forward_context: Any, kwargs: dict[str, Any]) -> None:
         """While first computes are pending: is this step a real forward?"""
@@ -382,9 +421,12 @@ class WorkerSeams:
                 if batch is not ANY_BATCH and r not in batch:
                     continue
                 epoch, kind, sched_gen = self.pending.pop(r)
-                self.offer((self.consumer, ev.W_FIRST_COMPUTE, t, self._bind_ns, r, epoch,
-                            kind, sched_gen))
+                offer = self.offer
+                offer((self.consumer, ev.W_FIRST_COMPUTE, t, self._bind_ns, r, epoch, kind,
+                       sched_gen))
                 self.computed.append((self.rank, self.gen, r, epoch))
+            if not self.pending:
+                self._arm(False)
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -407,7 +449,7 @@ class WorkerSeams:
         """After register_kv_caches: reach the connector's worker even when a
         subclass swapped it in after construction (vllm-ascend does)."""
         try:
-            connector_worker.__dict__["_kvobs"] = self
+            connector_worker._kvobs = self
             worker = getattr(connector_worker, "worker", None)
             if worker is not None and not any(w is worker for w, _ in self._wrapped):
                 self.wrap_offloading_worker(worker)
@@ -459,6 +501,7 @@ class WorkerSeams:
         self._wrapped.append((worker, ("submit_store", "submit_load", "get_finished")))
 
     def unwrap(self) -> None:
+        self._arm(False)
         for worker, names in self._wrapped:
             for name in names:
                 worker.__dict__.pop(name, None)

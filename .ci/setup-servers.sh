@@ -14,6 +14,8 @@ missing=()
 command -v openssl >/dev/null || missing+=(openssl)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || missing+=(libfaketime)
+# and valgrind for the benchmarks' instruction counts (B6; skipped without it)
+command -v callgrind_control >/dev/null || missing+=(valgrind)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "kvobs-otel: the tests need: sudo apt-get install ${missing[*]}" >&2

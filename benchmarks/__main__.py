@@ -34,7 +34,14 @@ import traceback
 from importlib import metadata
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, Result, apply_clean_env, progress, single_thread_torch
+from benchmarks.common import (
+    REPO_ROOT,
+    Result,
+    Unavailable,
+    apply_clean_env,
+    progress,
+    single_thread_torch,
+)
 from benchmarks.report import RESULTS as RESULTS_FILE
 
 REGISTRY: list[tuple[str, str]] = [
@@ -43,6 +50,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("B3", "benchmarks.b3_export_throughput"),
     ("B4", "benchmarks.b4_burst_memory"),
     ("B5", "benchmarks.b5_real_engine"),
+    ("B6", "benchmarks.b6_instructions"),
 ]
 
 
@@ -177,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"{name}: {getattr(module, 'TITLE', module_name)}")
         try:
             result = module.run(args.quick)
+        except Unavailable as e:
+            report["skipped"][name] = str(e)
+            progress(f"{name}: skipped ({e})")
+            print(f"{name}: skipped ({e})")
+            continue
         except Exception:
             report["errors"][name] = traceback.format_exc()
             progress(f"{name}: FAILED TO RUN\n{report['errors'][name]}")

@@ -108,6 +108,11 @@ class Goal:
                 "note": self.note, "fmt": self.fmt}
 
 
+class Unavailable(Exception):
+    """A benchmark that cannot run on this machine (a tool it needs is not
+    installed): the run records it as skipped, with the reason."""
+
+
 @dataclass
 class Result:
     """What a benchmark module's ``run(quick)`` returns."""

@@ -5,7 +5,7 @@ environment, and records).
 Prints one line per goal (measured median with its spread, the goal, MET or
 NOT MET) and "info" lines, writes everything as JSON, progress on stderr.
 Exit status: 0 every goal met, 1 some goal not met, 2 a benchmark could not
-run (or bad arguments). With ``--quick`` (a smoke run of about a minute, too
+run (or bad arguments). With ``--quick`` (a smoke run of a few minutes, too
 short for the figures to mean much) goals are printed but not enforced: the
 status is 0 unless something failed to run.
 

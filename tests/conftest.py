@@ -90,6 +90,17 @@ def observe(telemetry: Telemetry) -> Iterator[Telemetry]:
     kvobs_otel.uninstrument()
 
 
+@pytest.fixture
+def observe_patient_tiers(telemetry: Telemetry) -> Iterator[Telemetry]:
+    """``observe`` with a 10 s tier deadline: for a test whose tier is slow
+    on purpose (0.5 s) and must not be judged hung on a busy machine."""
+    assert kvobs_otel.instrument(Settings(enabled=True, receipt_deadline_s=1.0,
+                                          tier_deadline_s=10.0,
+                                          traffic_sample_ratio=1.0, drain_interval_s=0.02))
+    yield telemetry
+    kvobs_otel.uninstrument()
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess:
     """``kvobs-otel ARGS`` in a clean environment (no OTEL_/KVOBS_ settings)."""

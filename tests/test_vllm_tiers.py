@@ -369,7 +369,8 @@ def test_a_recompute_of_kv_a_tier_holds_but_never_gave_back_says_not_found(obser
         assert any(ep.attrs.get("kvobs.recompute.reason") == "not_found" for ep in recomputed)
 
 
-def test_a_slow_promotion_shows_the_time_it_waited_beside_its_io(observe):
+def test_a_slow_promotion_shows_the_time_it_waited_beside_its_io(observe_patient_tiers):
+    observe = observe_patient_tiers
     # The fs tier's read is done in its own time; its result is held 0.5 s
     # more (FaultyFsTier "slow"): the span covers the wait, the tier's own I/O
     # time stays what vLLM measured, and the request's wait covers both.

@@ -2,8 +2,12 @@
 
 scheduler -> workers: an attribute ``kvobs_step`` on the
 ``OffloadingConnectorMetadata`` object, pickled with it to every worker:
-``(scheduler_generation, {req_id: epoch}, {req_id: (epoch, compute_kind)})``
-- the episodes this step touches and the requests admitted this step.
+``(scheduler_generation, {req_id: epoch}, {req_id: (epoch, compute_kind)},
+load_rows, store_rows, flushed_job_ids)`` - the episodes this step touches,
+the requests admitted this step, and the rows every rank needs of the step's
+jobs (``(job_id, req_id, device_blocks)``, built once by the scheduler). None
+on a step with none of these; set on every step (the class has a default of
+None while patched), so the objects keep one attribute layout.
 
 workers -> scheduler: ``ReceiptWorkerMetadata``, a subclass of
 ``OffloadingWorkerMetadata`` that adds who reported: ``reporters`` =

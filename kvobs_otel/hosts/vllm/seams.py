@@ -187,11 +187,11 @@ class SchedulerSeams:
             offer = self.offer
             if not self.steps & _MARK_MASK:
                 offer((self.consumer, ev.S_MARK, _now(), self.steps))
+            meta.kvobs_step = None  # (replaced below on a step the workers need)
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             preempted_ids, open_ = so.preempted_req_ids, self.open
             if not (preempted_ids or open_ or loads or stores or flushed):
-                meta.kvobs_step = None  # an idle step: nothing for the workers or the drain
-                return
+                return  # an idle step: nothing for the workers or the drain thread
             # (list comprehensions, not tuple(generator): about half the cost)
             episodes: dict[str, int] = {}
             preempted: tuple[tuple[str, int], ...] = ()
@@ -212,7 +212,6 @@ class SchedulerSeams:
                     episodes[r] = epoch
                     del open_[r]
             if not (preempted or loads or stores or flushed or admitted):
-                meta.kvobs_step = None
                 return
             load_row = self.load_row
             load_rows = tuple([load_row(j, x) for j, x in loads.items()]) if loads else ()

@@ -141,9 +141,9 @@ def _step(rate: int, seconds: float, mode: str, collector: Collector) -> dict[st
     t0 = time.monotonic()
     ticks = int(seconds / tick_s)
     for i in range(ticks):
-        loads = tuple((job + k, f"req-{(job + k) // 8}", 16) for k in range(per_tick))
+        loads = tuple((job + k, f"req-{(job + k) // 8}", False, 16) for k in range(per_tick))
         offer((consumer, ev.W_STEP, now(), sched, loads, (), (), {}))
-        for j, _req, _b in loads:
+        for j, _req, _s, _b in loads:
             offer((consumer, ev.W_SUBMIT, now(), j, True, True, False))
             offer((consumer, ev.W_RESULT, now(), j, True, 1 << 20, 0.001))
         job += per_tick

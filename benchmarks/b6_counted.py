@@ -51,10 +51,11 @@ SEAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     # (and, armed from it while a first compute is pending, start_load_kv
     # and wait_for_save on the instance)
     "worker_step": ("worker", ("bind_connector_metadata",)),
-    "worker_meta": ("worker", ("build_connector_worker_meta",)),
+    # (vLLM's aggregate() of the ranks' metadata runs at the scheduler)
+    "worker_meta": ("worker", ("build_connector_worker_meta", "aggregate")),
     "transfers": ("worker", ("_init_worker", "register_kv_caches")),
 }
-ALWAYS = ("__init__", "shutdown", "_kvobs", "kvobs_step")
+ALWAYS = ("__init__", "shutdown", "_kvobs", "kvobs_step", "kvobs_receipts")
 DRAIN_EVERY = 8  # steps
 
 

@@ -27,15 +27,20 @@ def _count(per_step: float, steps: int = 10, events: int = 30,
 
 def _counts(added: dict[str, float], base: float = 1_000_000) -> dict[str, dict[str, Any]]:
     """Synthetic counts: disabled at ``base``, each seam adding ``added``."""
-    counts = {"disabled": _count(base), b6_instructions.AGAIN: _count(base + 100),
-              "disabled+fs": _count(2 * base), "enabled+fs": _count(2 * base + 5_000)}
+    counts = {d: _count(base + 100 * (i - 1))
+              for i, d in enumerate(b6_instructions.DISABLED_RUNS)}
+    counts |= {"disabled+fs": _count(2 * base), "enabled+fs": _count(2 * base + 5_000)}
     total = base
     names = list(SEAMS)
     for i, seam in enumerate(names):
         total += added[seam]
         key = "enabled" if i == len(names) - 1 else f"enabled:{','.join(names[:i + 1])}"
         counts[key] = _count(total)
-    counts[b6_instructions.ENABLED_AGAIN] = _count(total + 100)
+    # The other enabled processes: one at the median, one far off (a
+    # process that paid a layout penalty does not move the line).
+    again, off = b6_instructions.ENABLED_RUNS[1:]
+    counts[again] = _count(total - 100)
+    counts[off] = _count(total + 50_000)
     return counts
 
 
@@ -44,11 +49,11 @@ def test_the_variants_add_the_seams_one_at_a_time() -> None:
     names = list(SEAMS)
     split = [v for v in full if v.startswith("enabled:")]
     assert split == [f"enabled:{','.join(names[:i])}" for i in range(1, len(names))]
-    assert full[:2] == ["disabled", b6_instructions.AGAIN]
-    assert {"enabled", b6_instructions.ENABLED_AGAIN, "disabled+fs", "enabled+fs"} <= set(full)
+    assert full[:3] == list(b6_instructions.DISABLED_RUNS)
+    assert {*b6_instructions.ENABLED_RUNS, "disabled+fs", "enabled+fs"} <= set(full)
     assert set(b6_instructions.variants(quick=True)) == {
-        "disabled", b6_instructions.AGAIN, "enabled", b6_instructions.ENABLED_AGAIN,
-        "disabled+fs", "enabled+fs"}
+        *b6_instructions.DISABLED_RUNS, *b6_instructions.ENABLED_RUNS, "disabled+fs",
+        "enabled+fs"}
 
 
 def test_the_split_sums_to_the_whole_and_names_each_seam_and_role() -> None:
@@ -59,9 +64,11 @@ def test_the_split_sums_to_the_whole_and_names_each_seam_and_role() -> None:
     for role in ("scheduler", "worker"):
         assert result.data["per_role"][role] == pytest.approx(
             sum(v for s, v in added.items() if SEAMS[s][0] == role))
-    # Two enabled over two disabled processes (one of each 100 higher).
-    assert sorted(result.data["added_pairs"]) == pytest.approx(
-        [whole - 100, whole, whole, whole + 100])
+    # Three enabled over three disabled processes (100 apart, and one
+    # enabled process 50,000 off): the median pair.
+    pairs = sorted(result.data["added_pairs"])
+    assert len(pairs) == 9 and pairs[4] == pytest.approx(whole)
+    assert pairs[-1] == pytest.approx(whole + 50_100)
     goal, goal_fs = result.goals
     assert goal.value == pytest.approx(whole) and goal.met == (whole <= 45_000)
     assert goal_fs.value == pytest.approx(5_000)

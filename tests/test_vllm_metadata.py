@@ -1,7 +1,9 @@
 """The workers -> scheduler extension of vLLM's worker metadata, on whatever
-vLLM is installed: every field vLLM defines (0.34 added ``failed_jobs`` as
-its second field) arrives at vLLM's aggregator and scheduler exactly as vLLM's
-own metadata would, through a rank's pickle and vLLM's ``KVOutputAggregator``."""
+vLLM is installed: receipts attached to vLLM's own object (or, when vLLM had
+nothing to report, to an object of vLLM's class with vLLM's defaults), so
+every field vLLM defines (0.34 added ``failed_jobs`` as its second field)
+arrives at vLLM's aggregator and scheduler exactly as vLLM's own metadata
+would, through a rank's pickle and vLLM's ``KVOutputAggregator``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from kvobs_otel.hosts.vllm.metadata import VLLM_FIELDS, ReceiptWorkerMetadata, extend
+import kvobs_otel
+from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR, VLLM_FIELDS, attach
 
 pytestmark = pytest.mark.vllm
 
@@ -51,31 +54,39 @@ def rank_metas() -> list[OffloadingWorkerMetadata]:
             stock_meta((4,), failed)]
 
 
-def test_the_extension_names_every_field_the_installed_vllm_defines():
-    names = [f.name for f in dataclasses.fields(OffloadingWorkerMetadata)]
-    assert list(VLLM_FIELDS) == names
-    ours = [f.name for f in dataclasses.fields(ReceiptWorkerMetadata)]
-    assert ours[:len(names)] == names and ours[len(names):] == ["reporters", "computed"]
+def test_the_extension_reads_the_fields_the_installed_vllm_defines():
+    assert list(VLLM_FIELDS) == [f.name for f in dataclasses.fields(OffloadingWorkerMetadata)]
 
 
-def test_a_rank_metadata_carries_every_vllm_field_through_pickle():
+def test_a_rank_metadata_carries_every_vllm_field_through_pickle(observe):
     for rank, meta in enumerate(rank_metas()):
-        ours = extend(meta, ((rank, f"g{rank}", tuple(meta.completed_jobs), ()),), ())
+        want = vllm_fields(meta)
+        ours = attach(meta, ((rank, f"g{rank}", tuple(meta.completed_jobs), ()),), ())
+        assert ours is meta  # vLLM's own object: vLLM's worker no longer holds it
         back = pickle.loads(pickle.dumps(ours))
-        assert type(back) is ReceiptWorkerMetadata
-        assert back == ours
-        assert vllm_fields(back) == vllm_fields(meta)
-    # vLLM had nothing, a first compute is reported: vLLM's defaults.
-    only_compute = pickle.loads(pickle.dumps(extend(None, (), ((1, "g1", "r", 2),))))
-    assert vllm_fields(only_compute) == vllm_fields(OffloadingWorkerMetadata())
-    assert only_compute.computed == ((1, "g1", "r", 2),)
+        assert type(back) is OffloadingWorkerMetadata
+        assert vllm_fields(back) == want
+        assert back.kvobs_receipts == (((rank, f"g{rank}", tuple(meta.completed_jobs), ()),),
+                                       ())
+    # vLLM had nothing, a first compute is reported: vLLM's class and defaults.
+    only_compute = attach(None, (), ((1, "g1", "r", 2),))
+    for got in (only_compute, pickle.loads(pickle.dumps(only_compute))):
+        assert isinstance(got, OffloadingWorkerMetadata)
+        assert vllm_fields(got) == vllm_fields(OffloadingWorkerMetadata())
+        assert got.kvobs_receipts == ((), ((1, "g1", "r", 2),))
 
 
-def test_the_wire_form_is_compact():
-    # No field names; empty stats travel as None (no stats classes to look up).
-    wire = pickle.dumps(extend(stock_meta((3,)), ((1, "g1", (3,), ()),), ()))
-    assert b"completed_jobs" not in wire and b"TransferStats" not in wire
-    assert b"TransferStats" in pickle.dumps(extend(stock_meta((3,), stored=4096), (), ()))
+def test_the_wire_form_adds_only_the_receipts(observe):
+    # vLLM's own pickle of its object, plus one attribute and its tuples.
+    stock = pickle.dumps(stock_meta((3,), stored=4096))
+    ours = pickle.dumps(attach(stock_meta((3,), stored=4096), ((1, "g1", (3,), ()),), ()))
+    assert RECEIPTS_ATTR.encode() in ours and len(ours) - len(stock) < 80
+    # First computes alone: the receipts, not vLLM's empty stats.
+    alone = pickle.dumps(attach(None, (), ((1, "g1", "r", 2),)))
+    assert b"TransferStats" not in alone and b"completed_jobs" not in alone
+    # Uninstrumented, vLLM's class has no such attribute left.
+    kvobs_otel.uninstrument()
+    assert not hasattr(OffloadingWorkerMetadata(), RECEIPTS_ATTR)
 
 
 # req_id_to_index is required up to 0.33 and gone in 0.34.
@@ -93,21 +104,51 @@ def aggregate(metas: list[object]) -> object:
     return merged.kv_connector_output.kv_connector_worker_meta
 
 
-def test_vllm_aggregates_observed_ranks_exactly_as_its_own():
-    stock = rank_metas()
-    observed = [extend(m, ((r, f"g{r}", tuple(m.completed_jobs), ()),),
+def test_vllm_aggregates_observed_ranks_exactly_as_its_own(observe):
+    want = aggregate(rank_metas())
+    assert type(want) is OffloadingWorkerMetadata and want.kvobs_receipts is None
+
+    def observed() -> list[OffloadingWorkerMetadata]:
+        return [attach(m, ((r, f"g{r}", tuple(m.completed_jobs), ()),),
                        ((r, f"g{r}", "req", 1),) if r == 1 else ())
-                for r, m in enumerate(stock)]
-    got = aggregate(observed)
-    want = aggregate(stock)
-    assert isinstance(got, ReceiptWorkerMetadata)
+                for r, m in enumerate(rank_metas())]
+
+    got = aggregate(observed())
+    assert type(got) is OffloadingWorkerMetadata
     assert vllm_fields(got) == vllm_fields(want)
     assert got.completed_jobs == {3: 2, 4: 2}
     if supports_failures():
         assert got.failed_jobs == {4}
-    assert got.reporters == ((0, "g0", (3, 4), ()), (1, "g1", (3,), ()), (2, "g2", (4,), ()))
-    assert got.computed == ((1, "g1", "req", 1),)
-    # A rank that reported nothing this step (None) and a stock rank mixed in.
-    mixed = aggregate([observed[0], stock[1], observed[2]])
+    assert got.kvobs_receipts == (((0, "g0", (3, 4), ()), (1, "g1", (3,), ()),
+                                   (2, "g2", (4,), ())), ((1, "g1", "req", 1),))
+    # A stock rank (no receipts) mixed in, between observed ones or first.
+    ranks = observed()
+    mixed = aggregate([ranks[0], rank_metas()[1], ranks[2]])
     assert vllm_fields(mixed) == vllm_fields(want)
-    assert mixed.reporters == ((0, "g0", (3, 4), ()), (2, "g2", (4,), ()))
+    assert mixed.kvobs_receipts == (((0, "g0", (3, 4), ()), (2, "g2", (4,), ())), ())
+    ranks = observed()
+    first_stock = aggregate([rank_metas()[0], ranks[1], ranks[2]])
+    assert first_stock.kvobs_receipts == (((1, "g1", (3,), ()), (2, "g2", (4,), ())),
+                                          ((1, "g1", "req", 1),))
+    # A rank with only a first compute (None to vLLM without kvobs-otel),
+    # first or last beside one vLLM reported for: vLLM gets that one's
+    # fields as they are, as when the other rank returns None.
+    alone_stock = aggregate([rank_metas()[1]])
+    computed = attach(None, (), ((0, "g0", "req", 1),))
+    both = aggregate([computed, observed()[1]])
+    assert type(both) is OffloadingWorkerMetadata
+    assert vllm_fields(both) == vllm_fields(alone_stock)
+    assert both.kvobs_receipts == (((1, "g1", (3,), ()),),
+                                   ((0, "g0", "req", 1), (1, "g1", "req", 1)))
+    computed = attach(None, (), ((2, "g2", "req", 1),))
+    last = aggregate([observed()[1], computed])
+    assert vllm_fields(last) == vllm_fields(alone_stock)
+    assert last.kvobs_receipts == (((1, "g1", (3,), ()),),
+                                   ((1, "g1", "req", 1), (2, "g2", "req", 1)))
+    # Every rank with only first computes: vLLM's defaults, every receipt.
+    only = aggregate([attach(None, (), ((r, f"g{r}", "req", 1),)) for r in range(3)])
+    assert vllm_fields(only) == vllm_fields(OffloadingWorkerMetadata())
+    assert only.kvobs_receipts == ((), tuple((r, f"g{r}", "req", 1) for r in range(3)))
+    # One rank reported: vLLM passes its object on unaggregated.
+    alone = aggregate([observed()[1]])
+    assert alone.kvobs_receipts == (((1, "g1", (3,), ()),), ((1, "g1", "req", 1),))

@@ -63,7 +63,7 @@ S_MARK = 19
 MARK_EVERY_STEPS = 16  # a power of two (a mask test per step)
 
 # Worker role ----------------------------------------------------------------
-# (sched_gen, loads: ((job_id, req_id, blocks), ...), stores: same,
+# (sched_gen, loads and stores: the rows of S_STEP, as the scheduler built them,
 #  flushed: (job_id, ...), episodes: {req_id: epoch})
 W_STEP = 11
 # (job_id, is_load, accepted)

@@ -53,9 +53,11 @@ class WorkerLifecycle:
     def _step(self, sched_gen: str, loads, stores, flushed, episodes) -> None:
         self.sched_gen = sched_gen
         ctx = self.ctx
-        for job_id, req_id, blocks in loads:
+        # The scheduler's rows (events.py): a load's device blocks are its
+        # destination, a store's its source.
+        for job_id, req_id, _sync, blocks in loads:
             ctx[job_id] = [req_id, True, blocks, episodes.get(req_id, 0)]
-        for job_id, req_id, blocks in stores:
+        for job_id, req_id, blocks, _host_blocks in stores:
             ctx[job_id] = [req_id, False, blocks, 0]
         for job_id in flushed:
             c = ctx.get(job_id)

@@ -69,34 +69,35 @@ def _after(method: str):
     return make
 
 
-# Per-step seams: wrappers spelled out, without the generic ones' getattr and
-# argument re-packing (the seams' cost on the serving thread is mostly the
-# Python they run, every step). Each keeps vLLM's parameter name, so a keyword
-# call still works, and passes on anything else it is given. They call the
-# seam only when it can record something: most steps of most ranks have
-# nothing. The worker's start_load_kv and wait_for_save are not wrapped here:
-# its seams watch them on the instance only while a first compute is pending
-# (seams.WorkerSeams._arm). handle_preemptions is not watched: the step's
+# Per-step seams: wrappers spelled out, with vLLM's exact parameters (the
+# release's shape check, releases/, refuses a vLLM whose differ), so a call
+# packs no tuple or dict of extra arguments: the seams' cost on the serving
+# thread is mostly the Python they run, every step. They call the seam only
+# when it can record something: most steps of most ranks have nothing. The
+# worker's start_load_kv and wait_for_save are not wrapped here: its seams
+# watch them on the instance only while a first compute is pending
+# (seams.WorkerSeams._arm; B6 counted class wrappers on every forward as
+# the dearer way). handle_preemptions is not watched: the step's
 # metadata is noted at bind_connector_metadata, which every runner calls each
 # step (V2 right after handle_preemptions); what it records of the step is
 # needed only when the step's transfers complete.
 def _note_meta_bind(orig):
-    def bind_connector_metadata(self, connector_metadata, *args, **kwargs):
+    def bind_connector_metadata(self, connector_metadata):
         s = self._kvobs
         if s is not None and s.last_meta is not connector_metadata:
             # Most steps carry no extension and no first compute is pending:
             # noted here, without a call.
-            if s.pending or getattr(connector_metadata, "kvobs_step", None) is not None:
+            if s.pending or connector_metadata.kvobs_step is not None:
                 s.note_meta(connector_metadata)
             else:
                 s.last_meta = connector_metadata
-        return orig(self, connector_metadata, *args, **kwargs)
+        return orig(self, connector_metadata)
     return bind_connector_metadata
 
 
 def _worker_meta(orig):
-    def build_connector_worker_meta(self, *args, **kwargs):
-        meta = orig(self, *args, **kwargs)
+    def build_connector_worker_meta(self):
+        meta = orig(self)
         s = self._kvobs
         if s is None or (meta is None and not s.computed):
             return meta
@@ -117,8 +118,8 @@ def _after_alloc(orig):
 def _matched(orig):
     # Every waiting request, every scheduling pass: the seam offers only the
     # transitions into and out of the connector's "not yet".
-    def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kwargs):
-        result = orig(self, request, num_computed_tokens, *args, **kwargs)
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        result = orig(self, request, num_computed_tokens)
         s = self._kvobs
         if s is not None and (s.waits or result[0] is None):
             s.on_matched(request, result)
@@ -183,18 +184,44 @@ def _multi_after_alloc(orig):
 
 
 def _connector_output(orig):
-    # Only our subclass of vLLM's worker metadata carries receipts: a step no
-    # rank reported in costs a type test.
-    from kvobs_otel.hosts.vllm.metadata import ReceiptWorkerMetadata
+    # Only worker metadata a rank attached receipts to carries them
+    # (metadata.py): a step no rank reported in costs an attribute load.
+    from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR
 
-    def update_connector_output(self, connector_output, *args, **kwargs):
-        result = orig(self, connector_output, *args, **kwargs)
+    def update_connector_output(self, connector_output):
+        result = orig(self, connector_output)
         s = self._kvobs
-        if s is not None and type(getattr(connector_output, "kv_connector_worker_meta", None)
-                                  ) is ReceiptWorkerMetadata:
-            s.after_connector_output(connector_output)
+        if s is not None:
+            meta = connector_output.kv_connector_worker_meta
+            if meta is not None and getattr(meta, RECEIPTS_ATTR, None) is not None:
+                s.after_connector_output(connector_output)
         return result
     return update_connector_output
+
+
+def _aggregate(orig):
+    # vLLM's KVOutputAggregator calls aggregate() for the second and every
+    # further rank that returned worker metadata in a step. vLLM's builds a
+    # new object from its own fields: the ranks' receipts are joined onto it.
+    # A ReceiptWorkerMetadata (metadata.py) stands for a rank that returned
+    # None to vLLM: without kvobs-otel vLLM would have kept the other object
+    # as it is, and so does this (with the receipts joined): vLLM's
+    # aggregate, building a new object and merging transfer stats, runs only
+    # where it would run without kvobs-otel.
+    from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR, ReceiptWorkerMetadata, merged
+
+    def aggregate(self, other):
+        mine, theirs = self.kvobs_receipts, getattr(other, RECEIPTS_ATTR, None)
+        if type(other) is ReceiptWorkerMetadata:
+            out = self
+        elif type(self) is ReceiptWorkerMetadata:
+            out = other
+        else:
+            out = orig(self, other)
+        if mine is not None or theirs is not None:
+            out.kvobs_receipts = merged(mine, theirs)
+        return out
+    return aggregate
 
 
 def _build_meta(orig):
@@ -302,6 +329,7 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     global _settings, _release
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingConnectorMetadata,
+        OffloadingWorkerMetadata,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
         OffloadingConnectorWorker,
@@ -311,15 +339,16 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     )
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvobs_otel.hosts.vllm.metadata import STEP_ATTR
+    from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR, STEP_ATTR
 
     _settings, _release = settings, release
     C = OffloadingConnector
     _default(C, _ATTR, None)
     _default(OffloadingConnectorWorker, _ATTR, None)
-    # Every step's metadata has the extension (None: nothing this step), so
-    # its attributes keep one layout for vLLM's code and ours alike.
+    # The metadata extensions (metadata.py) read None where a step has none:
+    # nothing to pickle on such a step, one attribute load to read it.
     _default(OffloadingConnectorMetadata, STEP_ATTR, None)
+    _default(OffloadingWorkerMetadata, RECEIPTS_ATTR, None)
     _wrap(C, "__init__", _init)
     # scheduler role
     _wrap(C, "on_new_request", _after("on_new_request"))
@@ -334,6 +363,7 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     # worker role
     _wrap(C, "bind_connector_metadata", _note_meta_bind)
     _wrap(C, "build_connector_worker_meta", _worker_meta)
+    _wrap(OffloadingWorkerMetadata, "aggregate", _aggregate)
     _wrap(C, "register_kv_caches", _register_kv_caches)
     _wrap(OffloadingConnectorWorker, "_init_worker", _init_worker)
     # both

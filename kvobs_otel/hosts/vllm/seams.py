@@ -15,7 +15,7 @@ from typing import Any
 from kvobs_otel import identity
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.platform import device_type, vllm_version
-from kvobs_otel.hosts.vllm.metadata import extend
+from kvobs_otel.hosts.vllm.metadata import attach
 from kvobs_otel.hosts.vllm.releases import Release
 from kvobs_otel.hosts.vllm.releases import blocks as _blocks
 from kvobs_otel.hosts.vllm.tier_seams import TierSeams, describe, tiering_manager
@@ -180,18 +180,19 @@ class SchedulerSeams:
             self.pipeline.count_error("seam")
 
     def after_build_meta(self, so: Any, meta: Any) -> None:
-        self.steps += 1
+        self.steps = steps = self.steps + 1
         try:
             # (a local: an instance attribute holding a callable is looked up
             # generically by a method-call site, every time)
             offer = self.offer
-            if not self.steps & _MARK_MASK:
-                offer((self.consumer, ev.S_MARK, _now(), self.steps))
-            meta.kvobs_step = None  # (replaced below on a step the workers need)
+            if not steps & _MARK_MASK:
+                offer((self.consumer, ev.S_MARK, _now(), steps))
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
             preempted_ids, open_ = so.preempted_req_ids, self.open
             if not (preempted_ids or open_ or loads or stores or flushed):
-                return  # an idle step: nothing for the workers or the drain thread
+                # An idle step: nothing for the workers (vLLM's metadata keeps
+                # the class default, None) or the drain thread.
+                return
             # (list comprehensions, not tuple(generator): about half the cost)
             episodes: dict[str, int] = {}
             preempted: tuple[tuple[str, int], ...] = ()
@@ -203,11 +204,24 @@ class SchedulerSeams:
                     open_[r] = episodes[r] = epoch
             admitted: dict[str, tuple[int, str]] = {}
             if open_:
-                self._admissions(so, admitted)
-                for job in loads.values():
-                    epoch = open_.get(job.req_id)
-                    if epoch is not None:
-                        episodes[job.req_id] = epoch
+                # A request with an open episode was preempted and not yet
+                # re-admitted: if this step schedules tokens for it, this step
+                # resumes it (the V2 runner sends it in scheduled_new_reqs, V1
+                # in resumed_req_ids; vLLM unschedules a request it preempts
+                # within the same step). The open episodes are few; the
+                # step's requests may be many.
+                n = so.num_scheduled_tokens
+                for r, epoch in open_.items():
+                    tokens = n.get(r)
+                    if tokens:
+                        # All KV back: only the next token is computed.
+                        admitted[r] = (epoch, COMPUTE_DECODE if tokens == 1
+                                       else COMPUTE_PREFILL)
+                if loads:
+                    for job in loads.values():
+                        epoch = open_.get(job.req_id)
+                        if epoch is not None:
+                            episodes[job.req_id] = epoch
                 for r, (epoch, _k) in admitted.items():
                     episodes[r] = epoch
                     del open_[r]
@@ -218,29 +232,13 @@ class SchedulerSeams:
             store_rows = tuple([(j, x.req_id, _blocks(x.src_spec), _blocks(x.dst_spec))
                                 for j, x in stores.items()]) if stores else ()
             flushed = tuple(flushed) if flushed else ()
-            # The workers' rows travel built (every rank would build the
-            # same ones): loads with their device blocks, stores with theirs.
-            meta.kvobs_step = (
-                self.gen, episodes, admitted,
-                tuple([(r[0], r[1], r[-1]) for r in load_rows]) if loads else (),
-                tuple([r[:3] for r in store_rows]) if stores else (), flushed)
-            offer((self.consumer, ev.S_STEP, _now(), self.steps, preempted, load_rows,
+            # The workers get the same rows (every rank would build them):
+            # loads with their device blocks, stores with theirs.
+            meta.kvobs_step = (self.gen, episodes, admitted, load_rows, store_rows, flushed)
+            offer((self.consumer, ev.S_STEP, _now(), steps, preempted, load_rows,
                    store_rows, flushed, self._accounted(admitted) if admitted else ()))
         except Exception:
             self.pipeline.count_error("seam")
-
-    def _admissions(self, so: Any, out: dict[str, tuple[int, str]]) -> None:
-        # A request with an open episode was preempted and not yet re-admitted:
-        # if this step schedules tokens for it, this step resumes it (the V2
-        # runner sends it in scheduled_new_reqs, V1 in resumed_req_ids; vLLM
-        # unschedules a request it preempts within the same step). The open
-        # episodes are few; the step's requests may be many.
-        n = so.num_scheduled_tokens
-        for r, epoch in self.open.items():
-            tokens = n.get(r)
-            if tokens:
-                # All KV back: only the next token is computed.
-                out[r] = (epoch, COMPUTE_DECODE if tokens == 1 else COMPUTE_PREFILL)
 
     def _accounted(self, admitted: dict[str, tuple[int, str]]) -> tuple[tuple[Any, ...], ...]:
         # Before vLLM adds this step's tokens: what the request already holds
@@ -257,14 +255,12 @@ class SchedulerSeams:
         return tuple(rows)
 
     def after_connector_output(self, output: Any) -> None:
+        """The ranks' receipts on vLLM's aggregated worker metadata (called
+        only when it carries some)."""
         try:
-            meta = output.kv_connector_worker_meta
-            reporters = getattr(meta, "reporters", None)
-            computed = getattr(meta, "computed", None)
-            if reporters or computed:
-                offer = self.offer
-                offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters or (),
-                       computed or ()))
+            reporters, computed = output.kv_connector_worker_meta.kvobs_receipts
+            offer = self.offer
+            offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters, computed))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -434,7 +430,7 @@ class WorkerSeams:
         called when vLLM has some or a first compute is to be reported."""
         try:
             completed = meta.completed_jobs if meta is not None else None
-            out = extend(meta, ((self.rank, self.gen, tuple(completed),
+            out = attach(meta, ((self.rank, self.gen, tuple(completed),
                                  self.failed_jobs(meta)),) if completed else (),
                          tuple(self.computed))
             self.computed.clear()  # only once they are on their way

@@ -44,6 +44,8 @@ METHODS: dict[str, tuple[str, ...]] = {
     f"{OFFLOAD_BASE}:OffloadingWorker.submit_load": ("self", "job_id", "src_spec",
                                                      "dst_spec", "expedited"),
     f"{OFFLOAD_BASE}:OffloadingWorker.get_finished": ("self",),
+    # Its merge of the ranks' metadata (the receipts are joined onto it).
+    f"{COMMON}:OffloadingWorkerMetadata.aggregate": ("self", "other"),
     # Read the computed tokens a preemption discards before vLLM zeroes them.
     f"{SCHEDULER}._preempt_request": ("self", "request", "timestamp", "drop_stale_output"),
 }

@@ -150,7 +150,7 @@ def test_withheld_rank_fires_the_incomplete_receipt_alert(stack, monkeypatch):
 def test_failed_restore_fires_its_alert_and_is_an_error_trace_in_jaeger(stack, monkeypatch):
     """vLLM 0.34: a restore that fails on rank 1 under kv_load_failure_policy
     "fail" (the copy backend injects the failure a GPU copy would report)."""
-    from kvobs_otel.hosts.vllm.metadata import VLLM_FIELDS
+    from vllm_fields import VLLM_FIELDS
 
     if "failed_jobs" not in VLLM_FIELDS:
         pytest.skip("this vLLM asserts every transfer succeeded (failures are reported "

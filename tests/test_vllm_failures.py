@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvobs_otel.hosts.vllm.metadata import VLLM_FIELDS
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
 
 from chains import episodes, view
 from test_vllm_episodes import start_recovery
+from vllm_fields import VLLM_FIELDS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     "failed_jobs" not in VLLM_FIELDS,

@@ -19,7 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 import kvobs_otel
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.vllm import instrumentor, releases
-from kvobs_otel.hosts.vllm.metadata import VLLM_FIELDS
 from kvobs_otel.lifecycle.scheduler_state import SchedulerLifecycle
 from kvobs_otel.pipeline import current_pipeline
 from kvobs_otel.telemetry.metrics import MetricsBuilder
@@ -28,6 +27,7 @@ from kvobs_otel.tools.harness.engine import Harness, HarnessConfig
 from kvobs_otel.tools.harness.workload import pressure_workload
 
 from otel_servers import wait_for
+from vllm_fields import VLLM_FIELDS
 
 pytestmark = pytest.mark.vllm
 

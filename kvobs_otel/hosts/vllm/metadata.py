@@ -30,7 +30,6 @@ computes, ``computed`` = ((rank, worker_generation, req_id, epoch), ...).
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -39,9 +38,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 
 STEP_ATTR = "kvobs_step"
 RECEIPTS_ATTR = "kvobs_receipts"
-
-# vLLM's fields, read from the installed class (what vLLM's own code reads).
-VLLM_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(OffloadingWorkerMetadata))
 
 Receipts = tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]
 

@@ -23,6 +23,7 @@ and ``enabled:<seam>,<seam>...``: enabled with only those seams patched
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import math
 import os
@@ -163,9 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     _instrumentation_on()
 
     tiers = _secondary_tiers(work)
+    # Every counted step runs in one fresh, empty contextvars.Context. In the
+    # start-up context torch has set a few ContextVars; a ContextVar hashes by
+    # its address, and whether numpy's lookup of its own (unset) variable,
+    # hundreds per step, meets one of them in the context's HAMT is a lottery
+    # of where they were allocated: ~16,000 instructions per step between
+    # processes of identical code. In an empty context that lookup is one
+    # test, in every variant.
+    context = contextvars.Context()
 
     def one_step() -> Any:
-        work.step()
+        context.run(work.step)
         yield 0.0
 
     for i in range(args.steps):

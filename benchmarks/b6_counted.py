@@ -49,8 +49,6 @@ SEAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preemption": ("scheduler", ("_preempt_request",)),
     "request": ("scheduler", ("on_new_request", "request_finished",
                               "request_finished_all_groups", "reset_cache")),
-    # (and, armed from it while a first compute is pending, start_load_kv
-    # and wait_for_save on the instance)
     "worker_step": ("worker", ("bind_connector_metadata",)),
     # (vLLM's aggregate() of the ranks' metadata runs at the scheduler)
     "worker_meta": ("worker", ("build_connector_worker_meta", "aggregate")),

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import pytest
 import vllm
@@ -47,7 +48,7 @@ def vllm_view(meta: object) -> tuple:
         if name == "transfer_stats":
             value = (value.load.bytes, tuple(value.load.sizes),
                      value.store.bytes, tuple(value.store.sizes))
-        elif isinstance(value, dict):
+        elif isinstance(value, Mapping):  # (a read-only one on ReceiptWorkerMetadata)
             value = tuple(sorted(value.items()))
         elif isinstance(value, (set, frozenset)):
             value = tuple(sorted(value))

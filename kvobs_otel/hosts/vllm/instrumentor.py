@@ -73,24 +73,19 @@ def _after(method: str):
 # release's shape check, releases/, refuses a vLLM whose differ), so a call
 # packs no tuple or dict of extra arguments: the seams' cost on the serving
 # thread is mostly the Python they run, every step. They call the seam only
-# when it can record something: most steps of most ranks have nothing. The
-# worker's start_load_kv and wait_for_save are not wrapped here: its seams
-# watch them on the instance only while a first compute is pending
-# (seams.WorkerSeams._arm; B6 counted class wrappers on every forward as
-# the dearer way). handle_preemptions is not watched: the step's
-# metadata is noted at bind_connector_metadata, which every runner calls each
-# step (V2 right after handle_preemptions); what it records of the step is
-# needed only when the step's transfers complete.
-def _note_meta_bind(orig):
+# when it can record something: most steps of most ranks have nothing.
+# handle_preemptions, start_load_kv and wait_for_save are not watched: a
+# step's extension is noted at bind_connector_metadata, which every runner
+# calls each step (V2 right after handle_preemptions), and its first computes
+# are confirmed when its worker metadata is built, after its forward
+# (seams.WorkerSeams).
+def _note_step_bind(orig):
     def bind_connector_metadata(self, connector_metadata):
         s = self._kvobs
-        if s is not None and s.last_meta is not connector_metadata:
-            # Most steps carry no extension and no first compute is pending:
-            # noted here, without a call.
-            if s.pending or connector_metadata.kvobs_step is not None:
-                s.note_meta(connector_metadata)
-            else:
-                s.last_meta = connector_metadata
+        if s is not None:
+            step = connector_metadata.kvobs_step
+            if step is not None and step is not s.last_step:
+                s.note_step(step)
         return orig(self, connector_metadata)
     return bind_connector_metadata
 
@@ -99,7 +94,7 @@ def _worker_meta(orig):
     def build_connector_worker_meta(self):
         meta = orig(self)
         s = self._kvobs
-        if s is None or (meta is None and not s.computed):
+        if s is None or (meta is None and not s.pending):
             return meta
         return s.worker_meta(meta)
     return build_connector_worker_meta
@@ -361,7 +356,7 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     _wrap(C, "reset_cache", _after("on_reset_cache"))
     _wrap(Scheduler, "_preempt_request", _preempt)
     # worker role
-    _wrap(C, "bind_connector_metadata", _note_meta_bind)
+    _wrap(C, "bind_connector_metadata", _note_step_bind)
     _wrap(C, "build_connector_worker_meta", _worker_meta)
     _wrap(OffloadingWorkerMetadata, "aggregate", _aggregate)
     _wrap(C, "register_kv_caches", _register_kv_caches)

@@ -20,16 +20,17 @@ computes, ``computed`` = ((rank, worker_generation, req_id, epoch), ...).
   tuple. vLLM's fields are never touched: the scheduler reads what it would
   read without kvobs-otel.
 - A step with first computes and nothing of vLLM's (vLLM returns None):
-  ``ReceiptWorkerMetadata``, vLLM's class with vLLM's defaults (read as
-  "nothing completed"), pickled as the receipts alone and rebuilt with the
-  defaults at the scheduler (vLLM's default pickle of its empty transfer
-  stats costs several times more, on the serving thread of both ends).
+  ``ReceiptWorkerMetadata``, vLLM's class reading as vLLM's defaults
+  ("nothing completed", shared read-only values), pickled as the receipts
+  alone (vLLM's default pickle of its empty transfer stats costs several
+  times more, on the serving thread of both ends).
 - vLLM's ``aggregate()`` builds its merged object from its own fields:
   ``merged`` joins the ranks' receipts onto it (instrumentor.py wraps it).
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -42,25 +43,34 @@ RECEIPTS_ATTR = "kvobs_receipts"
 Receipts = tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]
 
 
+# vLLM's own defaults, made once: what vLLM's scheduler reads from a
+# ReceiptWorkerMetadata (it only reads them: offloading/scheduler.py
+# _update_connector_output), shared and never written.
+_DEFAULTS = OffloadingWorkerMetadata()
+
+
 class ReceiptWorkerMetadata(OffloadingWorkerMetadata):
-    """vLLM's worker metadata with vLLM's defaults, carrying first computes
-    on a step vLLM had nothing to report."""
+    """vLLM's worker metadata reading as vLLM's defaults ("nothing
+    completed"), carrying first computes on a step vLLM had nothing to
+    report. Built without vLLM's dataclass ``__init__`` (a dict, a set and
+    three stats objects per instance, at both ends)."""
+
+    completed_jobs = MappingProxyType(_DEFAULTS.completed_jobs)
+    failed_jobs = frozenset(getattr(_DEFAULTS, "failed_jobs", ()))
+    transfer_stats = _DEFAULTS.transfer_stats
+
+    def __init__(self, receipts: Receipts) -> None:  # (not vLLM's: see above)
+        self.kvobs_receipts = receipts
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.kvobs_receipts,))
-
-
-def _rebuild(receipts: Receipts) -> ReceiptWorkerMetadata:
-    out = ReceiptWorkerMetadata()
-    out.kvobs_receipts = receipts
-    return out
+        return (ReceiptWorkerMetadata, (self.kvobs_receipts,))
 
 
 def attach(meta: Any, reporters: tuple[Any, ...], computed: tuple[Any, ...]) -> Any:
     """vLLM's worker metadata ``meta`` with who reported attached; ``meta``
     None: a ``ReceiptWorkerMetadata``."""
     if meta is None:
-        meta = ReceiptWorkerMetadata()
+        return ReceiptWorkerMetadata((reporters, computed))
     meta.kvobs_receipts = (reporters, computed)
     return meta
 

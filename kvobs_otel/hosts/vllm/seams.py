@@ -29,7 +29,6 @@ from kvobs_otel.telemetry import attributes as A
 logger = logging.getLogger("kvobs_otel")
 _now = time.monotonic_ns
 _MARK_MASK = ev.MARK_EVERY_STEPS - 1
-ANY_BATCH = object()  # a V1 forward: every pending request is in the batch
 
 
 def _adapter(connector: Any) -> str:
@@ -310,8 +309,6 @@ class WorkerSeams:
         tp = max(1, int(pc.tensor_parallel_size))
         self.gen = identity.new_generation()
         self.pipeline = pipeline
-        self.connector = connector
-        self._armed = False
         self.consumer = pipeline.register(
             (WorkerLifecycle, {"rank": self.rank, "worker_gen": self.gen}),
             _resource(connector, settings, "worker", **{
@@ -320,121 +317,60 @@ class WorkerSeams:
                 A.RES_DP_RANK: int(getattr(pc, "data_parallel_rank", 0) or 0),
                 A.WORKER_GEN: self.gen}))
         self.offer = pipeline.offer
-        self.sched_gen = ""
-        # The step metadata note_meta saw last.
-        self.last_meta: Any = None
-        # req_id -> (epoch, compute_kind, sched_gen): admitted, first compute due.
-        self.pending: dict[str, tuple[int, str, str]] = {}
-        self._bind_ns = 0
-        # This step's forward: None (none yet), ANY_BATCH (V1: the batch is
-        # not passed) or the batch's request ids (V2).
-        self.forward: Any = None
-        # (rank, worker_gen, req_id, epoch) of first computes not yet reported.
-        self.computed: list[tuple[int, str, str, int]] = []
+        # The step extension note_step saw last (ours, not vLLM's metadata:
+        # holding that would keep the whole step's objects alive a step longer).
+        self.last_step: Any = None
+        # req_id -> (epoch, compute_kind, sched_gen, bind_ns): admitted this
+        # step, its first compute confirmed when the step's worker metadata
+        # is built (after its forward).
+        self.pending: dict[str, tuple[int, str, str, int]] = {}
         self._wrapped: list[tuple[Any, tuple[str, ...]]] = []
 
     # -- per step ---------------------------------------------------------------
-    # Always on (instrumentor.py): bind_connector_metadata (note_meta),
-    # build_connector_worker_meta and the OffloadingWorker's get_finished, one
-    # call each per step and rank. start_load_kv and wait_for_save are watched
-    # only while a first compute is pending on this rank (``_arm``): most
-    # steps of most ranks run vLLM's own methods there.
-    def note_meta(self, meta: Any) -> None:
-        """First sight of this step's metadata (``meta`` is not ``last_meta``)."""
+    # instrumentor.py calls these from bind_connector_metadata (a step that
+    # carries the scheduler's extension) and build_connector_worker_meta (a
+    # step vLLM reports something in or with an admission); the
+    # OffloadingWorker's calls are observed below. A step of an admitted
+    # request runs a forward: the scheduler scheduled its tokens (that is how
+    # it was found admitted, SchedulerSeams.after_build_meta), and a runner
+    # skips the forward only for a step without tokens. Both runners build the
+    # worker metadata after the step's forward and wait_for_save (V2's
+    # post_forward, V1's _get_kv_connector_output), so that is when the first
+    # compute is confirmed.
+    def note_step(self, step: Any) -> None:
+        """First sight of this step's extension (``step`` is not ``last_step``)."""
         try:
-            self.last_meta = meta
-            # The scheduler's seam extends the metadata of every step that has
-            # jobs, preemptions or admissions; the others carry nothing.
-            step = meta.kvobs_step  # (None: a class default, instrumentor.py)
-            if step is None:
-                if self.pending:
-                    self._bind_ns = _now()
-                    self.forward = None
-                return
-            self._bind_ns = t = _now()
-            self.forward = None
-            self.sched_gen, episodes, admitted, loads, stores, flushed = step
+            self.last_step = step
+            t = _now()
+            sched_gen, episodes, admitted, loads, stores, flushed = step
             if admitted:
+                pending = self.pending
                 for r, (epoch, kind) in admitted.items():
-                    self.pending[r] = (epoch, kind, self.sched_gen)
-                self._arm(True)
+                    pending[r] = (epoch, kind, sched_gen, t)
             if loads or stores or flushed:
                 offer = self.offer
-                offer((self.consumer, ev.W_STEP, t, self.sched_gen, loads, stores, flushed,
+                offer((self.consumer, ev.W_STEP, t, sched_gen, loads, stores, flushed,
                        episodes))
         except Exception:
             self.pipeline.count_error("seam")
 
-    def _arm(self, on: bool) -> None:
-        """Watch this connector's start_load_kv and wait_for_save (instance
-        attributes, ahead of the class's methods), or stop watching."""
-        if on == self._armed:
-            return
-        c = self.connector
-        if on:
-            c.start_load_kv = self._watched_start_load
-            c.wait_for_save = self._watched_wait_for_save
-        else:
-            del c.start_load_kv, c.wait_for_save
-        self._armed = on
-
-    def _watched_start_load(self, forward_context: Any, **kwargs: Any) -> Any:
-        self.on_start_load(forward_context, kwargs)
-        c = self.connector
-        return type(c).start_load_kv(c, forward_context, **kwargs)
-
-    def _watched_wait_for_save(self, *args: Any, **kwargs: Any) -> Any:
-        c = self.connector
-        result = type(c).wait_for_save(c, *args, **kwargs)
-        self.after_save()
-        return result
-
-    def on_start_load(self, forward_context: Any, kwargs: dict[str, Any]) -> None:
-        """While first computes are pending: is this step a real forward?"""
-        # V2 passes the batch's request_ids (no_forward passes none); V1 binds
-        # attention metadata (no_forward binds None). Dummy, profile and
-        # capture runs never reach the connector (V2 disables it).
-        try:
-            if "request_ids" in kwargs:
-                batch = kwargs["request_ids"]
-                self.forward = ANY_BATCH if batch is None else batch
-            elif getattr(forward_context, "attn_metadata", None) is not None:
-                self.forward = ANY_BATCH
-        except Exception:
-            self.pipeline.count_error("seam")
-
-    def after_save(self) -> None:
-        """After the forward (wait_for_save), while first computes are
-        pending: confirm those of the requests the forward ran."""
-        batch = self.forward
-        if batch is None:
-            return
-        try:
-            self.forward = None
-            t = _now()
-            for r in list(self.pending):
-                if batch is not ANY_BATCH and r not in batch:
-                    continue
-                epoch, kind, sched_gen = self.pending.pop(r)
-                offer = self.offer
-                offer((self.consumer, ev.W_FIRST_COMPUTE, t, self._bind_ns, r, epoch, kind,
-                       sched_gen))
-                self.computed.append((self.rank, self.gen, r, epoch))
-            if not self.pending:
-                self._arm(False)
-        except Exception:
-            self.pipeline.count_error("seam")
-
     def worker_meta(self, meta: Any) -> Any:
-        """Attach who reported to vLLM's worker metadata (its fields untouched);
-        called when vLLM has some or a first compute is to be reported."""
+        """Confirm this step's first computes and attach who reported to
+        vLLM's worker metadata (its fields untouched); called when vLLM has
+        some or a first compute is pending."""
         try:
+            computed = ()
+            pending = self.pending
+            if pending:
+                t, offer, consumer = _now(), self.offer, self.consumer
+                for r, (epoch, kind, sched_gen, bind_ns) in pending.items():
+                    offer((consumer, ev.W_FIRST_COMPUTE, t, bind_ns, r, epoch, kind, sched_gen))
+                rank, gen = self.rank, self.gen
+                computed = tuple([(rank, gen, r, p[0]) for r, p in pending.items()])
+                pending.clear()
             completed = meta.completed_jobs if meta is not None else None
-            out = attach(meta, ((self.rank, self.gen, tuple(completed),
-                                 self.failed_jobs(meta)),) if completed else (),
-                         tuple(self.computed))
-            self.computed.clear()  # only once they are on their way
-            return out
+            return attach(meta, ((self.rank, self.gen, tuple(completed),
+                                  self.failed_jobs(meta)),) if completed else (), computed)
         except Exception:
             self.pipeline.count_error("seam")
             return meta
@@ -496,7 +432,6 @@ class WorkerSeams:
         self._wrapped.append((worker, ("submit_store", "submit_load", "get_finished")))
 
     def unwrap(self) -> None:
-        self._arm(False)
         for worker, names in self._wrapped:
             for name in names:
                 worker.__dict__.pop(name, None)

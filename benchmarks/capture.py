@@ -1,9 +1,9 @@
 """Realistic seam calls, captured from a real instrumented harness run.
 
 With instrumentation on, the heavy-offload workload runs on the harness
-(inline ranks) and every call into a seam that recorded at least one event is
-kept: its arguments (a pickled copy, as they were when the seam saw them),
-what vLLM returned, and how many events it offered. The inner vLLM calls
+(inline ranks) and every call of an observed vLLM method whose seam recorded
+at least one event is kept: its arguments (a pickled copy, as they were when
+vLLM got them), what it returned, and how many events it offered. The inner vLLM calls
 behind the facade seams are timed too, for the cost of the real call.
 
 The harness is left open: its connectors' seams (and their observers and the
@@ -20,18 +20,18 @@ from typing import Any
 
 from benchmarks.workload import HeavyOffload, WorkloadShape, harness_config
 
-# Seams on the connector facade: benchmark name -> (seam method, role,
-# facade method, inner object attribute or ""). The wrapper on the facade
-# method calls vLLM (which delegates to the inner object), then the seam.
-FACADE_SEAMS: dict[str, tuple[str, str, str, str]] = {
-    "scheduler.build_connector_meta": ("after_build_meta", "scheduler", "build_connector_meta",
+# Seams on the connector facade: benchmark name -> (role, facade method,
+# inner object attribute or ""). The wrapper on the facade method calls vLLM
+# (which delegates to the inner object), then its seam; the capture records
+# the facade's arguments and result.
+FACADE_SEAMS: dict[str, tuple[str, str, str]] = {
+    "scheduler.build_connector_meta": ("scheduler", "build_connector_meta",
                                        "connector_scheduler"),
-    "scheduler.update_connector_output": ("after_connector_output", "scheduler",
-                                          "update_connector_output", "connector_scheduler"),
-    "scheduler.request_finished": ("on_request_finished", "scheduler", "request_finished",
-                                   "connector_scheduler"),
+    "scheduler.update_connector_output": ("scheduler", "update_connector_output",
+                                          "connector_scheduler"),
+    "scheduler.request_finished": ("scheduler", "request_finished", "connector_scheduler"),
     # (vLLM's base class keeps the metadata itself: no inner object to time)
-    "worker.bind_connector_metadata": ("note_meta", "worker", "bind_connector_metadata", ""),
+    "worker.bind_connector_metadata": ("worker", "bind_connector_metadata", ""),
 }
 # Seams wrapped on the OffloadingWorker instance (only when observed).
 WORKER_SEAMS = ("submit_store", "submit_load", "get_finished")
@@ -139,11 +139,12 @@ def run_capture(shape: WorkloadShape) -> Capture:
             undo.append(lambda: obj.__dict__.__setitem__(name, old) if had
                         else obj.__dict__.pop(name))
 
-        for name, (method, role, facade, inner_attr) in FACADE_SEAMS.items():
-            seams, conn = (ss, sched_conn) if role == "scheduler" else (ws, work_conn)
-            before = snap_preempted if method == "after_build_meta" else None
-            shadow(seams, method, _recorder(pipeline, cap.calls.setdefault(name, []),
-                                            getattr(seams, method), before))
+        for name, (role, facade, inner_attr) in FACADE_SEAMS.items():
+            conn = sched_conn if role == "scheduler" else work_conn
+            before = snap_preempted if facade == "build_connector_meta" else None
+            # (the instance's attribute is found before the class's wrapper)
+            shadow(conn, facade, _recorder(pipeline, cap.calls.setdefault(name, []),
+                                           getattr(conn, facade), before))
             if inner_attr:
                 inner = getattr(conn, inner_attr)
                 shadow(inner, facade, _timer(cap.real_ns.setdefault(name, []),

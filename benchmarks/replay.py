@@ -172,16 +172,16 @@ def facade_replay(cap: Capture, name: str, target: int, naive: NaiveSpans | None
     calls = cap.calls.get(name) or []
     if not calls:
         return None
-    method, role, facade, _inner = FACADE_SEAMS[name]
+    role, facade, _inner = FACADE_SEAMS[name]
     wrapper = OffloadingConnector.__dict__[facade]
     if not getattr(wrapper, "__kvobs_wrapped__", False):
         raise RuntimeError(f"OffloadingConnector.{facade} is not patched")
     original = wrapper.__wrapped__
     seams = cap.scheduler_seams if role == "scheduler" else cap.worker_seams
-    if method == "note_meta" and len(calls) == 1:
-        # The wrapper skips a metadata object just seen: alternate two.
+    if facade == "bind_connector_metadata" and len(calls) == 1:
+        # The wrapper skips a step extension just seen: alternate two.
         calls = calls + [Call(*_recopy(calls[0]))]
-    metas = {id(c.args[0]): c.args[1] for c in calls if method == "after_build_meta"}
+    metas = {id(c.args[0]): c.result for c in calls if facade == "build_connector_meta"}
 
     def facade_obj(observed: bool) -> Any:
         f = object.__new__(OffloadingConnector)
@@ -191,11 +191,7 @@ def facade_replay(cap: Capture, name: str, target: int, naive: NaiveSpans | None
             f.__dict__[_ATTR] = seams
         return f
 
-    if method == "after_build_meta":
-        # Replayed calls pass (scheduler_output,) to the facade.
-        argseq = [((a[0],), kw) for a, kw in _cycled(calls, target)]
-    else:
-        argseq = _cycled(calls, target)
+    argseq = _cycled(calls, target)
     plain, observed = facade_obj(False), facade_obj(True)
     enabled = _loop(wrapper, observed, argseq)
     replay = SeamReplay(name, len(argseq), {

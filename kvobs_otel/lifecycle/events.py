@@ -26,8 +26,10 @@ S_REQUEST = 1
 # measurable).
 S_STEP = 2
 OTHER_UNKNOWN = -1
-# (steps, reporters: ((rank, worker_gen, (job_id, ...), (failed_job_id, ...)), ...),
-#  computed: ((rank, worker_gen, req_id, epoch), ...))
+# (steps, reporters: ((rank, worker_gen, job_ids, failed_job_ids), ...),
+#  computed: ((rank, worker_gen, req_id, epoch), ...)); job_ids and
+# failed_job_ids are collections of ints (vLLM's own dict and set, read by
+# iteration and membership only)
 S_RECEIPTS = 3
 # (req_id, status: FINISHED_*)
 S_FINISHED = 4

@@ -180,16 +180,17 @@ def _multi_after_alloc(orig):
 
 def _connector_output(orig):
     # Only worker metadata a rank attached receipts to carries them
-    # (metadata.py): a step no rank reported in costs an attribute load.
-    from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR
-
+    # (metadata.py; vLLM's class reads None while patched): a step no rank
+    # reported in costs two attribute loads.
     def update_connector_output(self, connector_output):
         result = orig(self, connector_output)
         s = self._kvobs
         if s is not None:
             meta = connector_output.kv_connector_worker_meta
-            if meta is not None and getattr(meta, RECEIPTS_ATTR, None) is not None:
-                s.after_connector_output(connector_output)
+            if meta is not None:
+                receipts = meta.kvobs_receipts
+                if receipts is not None:
+                    s.on_receipts(receipts)
         return result
     return update_connector_output
 

@@ -11,8 +11,10 @@ default, None (instrumentor.py), and pickle as vLLM's own.
 
 workers -> scheduler: an attribute ``kvobs_receipts`` = ``(reporters,
 computed)`` on the worker metadata: who reported, ``reporters`` = ((rank,
-worker_generation, (job_id, ...), (failed_job_id, ...)), ...), and the first
-computes, ``computed`` = ((rank, worker_generation, req_id, epoch), ...).
+worker_generation, job_ids, failed_job_ids), ...) where the ids are vLLM's own
+``completed_jobs`` dict and ``failed_jobs`` set of that object (pickled once
+with it, our reference costs a memo entry), and the first computes,
+``computed`` = ((rank, worker_generation, req_id, epoch), ...).
 
 - A step vLLM reports completed jobs in: the attribute is set on vLLM's own
   ``OffloadingWorkerMetadata`` object (vLLM's worker hands it over and starts

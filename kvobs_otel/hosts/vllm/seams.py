@@ -253,11 +253,11 @@ class SchedulerSeams:
                          other))
         return tuple(rows)
 
-    def after_connector_output(self, output: Any) -> None:
+    def on_receipts(self, receipts: Any) -> None:
         """The ranks' receipts on vLLM's aggregated worker metadata (called
         only when it carries some)."""
         try:
-            reporters, computed = output.kv_connector_worker_meta.kvobs_receipts
+            reporters, computed = receipts
             offer = self.offer
             offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters, computed))
         except Exception:
@@ -369,8 +369,11 @@ class WorkerSeams:
                 computed = tuple([(rank, gen, r, p[0]) for r, p in pending.items()])
                 pending.clear()
             completed = meta.completed_jobs if meta is not None else None
-            return attach(meta, ((self.rank, self.gen, tuple(completed),
-                                  self.failed_jobs(meta)),) if completed else (), computed)
+            # vLLM's own dict and set, not copies: pickled with vLLM's fields,
+            # they cost a reference (vLLM hands this object over and starts
+            # a new one; nothing writes them after).
+            return attach(meta, ((self.rank, self.gen, completed, self.failed_jobs(meta)),)
+                          if completed else (), computed)
         except Exception:
             self.pipeline.count_error("seam")
             return meta

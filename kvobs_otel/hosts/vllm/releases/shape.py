@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +38,9 @@ class Release:
     dataclass_fields: Mapping[str, tuple[str, ...]]
     # (job_id, TransferJob) -> (job_id, req_id, sync, blocks) for a load job.
     load_row: Callable[[int, Any], tuple[Any, ...]]
-    # vLLM's worker metadata -> ids of jobs whose transfer failed.
-    failed_jobs: Callable[[Any], tuple[int, ...]] = _no_failures
+    # vLLM's worker metadata -> ids of jobs whose transfer failed (vLLM's
+    # own set where it has one).
+    failed_jobs: Callable[[Any], Collection[int]] = _no_failures
     # The model runners this release has (the harness drives each).
     runners: tuple[str, ...] = ("v2",)
     # What a trace from this release lacks or adds, for the docs and doctor.

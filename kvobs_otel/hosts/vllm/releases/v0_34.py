@@ -7,6 +7,7 @@ the V2 model runner (V1 and ``kv_connector_model_runner_mixin`` are gone)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from kvobs_otel.hosts.vllm.releases import v0_33
@@ -25,9 +26,8 @@ FIELDS = {
 }
 
 
-def failed_jobs(meta: Any) -> tuple[int, ...]:
-    failed = meta.failed_jobs
-    return tuple(failed) if failed else ()
+def failed_jobs(meta: Any) -> Collection[int]:
+    return meta.failed_jobs
 
 
 RELEASE = Release(

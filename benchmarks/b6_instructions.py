@@ -55,11 +55,11 @@ STEPS = 530  # B2's repeat, whole
 QUICK_STEPS = 60
 GOAL_PER_STEP = 45_000
 # disabled and enabled each counted in three processes: how far counts of
-# the same code fall apart is the resolution of every difference. Now and
-# then one process pays a penalty of ~20,000 instructions per step for the
-# whole window (deeper contextvars HAMT lookups, more dict-probe
-# comparisons and type-cache misses in vLLM's and numpy's code: addresses,
-# not code), so each variant's count is the median of its three.
+# the same code fall apart (a few thousand instructions per step: where
+# objects sit, not what runs; b6_counted runs every counted step in a fresh
+# contextvars.Context, which removed the largest such lottery) is the
+# resolution of every difference, and each variant's count is the median of
+# its three.
 DISABLED_RUNS = ("disabled", "disabled@2", "disabled@3")
 ENABLED_RUNS = ("enabled", "enabled@2", "enabled@3")
 PARALLEL = 2

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
 
 import pytest
 import vllm
@@ -48,7 +47,7 @@ def vllm_view(meta: object) -> tuple:
         if name == "transfer_stats":
             value = (value.load.bytes, tuple(value.load.sizes),
                      value.store.bytes, tuple(value.store.sizes))
-        elif isinstance(value, Mapping):  # (a read-only one on ReceiptWorkerMetadata)
+        elif isinstance(value, dict):
             value = tuple(sorted(value.items()))
         elif isinstance(value, (set, frozenset)):
             value = tuple(sorted(value))

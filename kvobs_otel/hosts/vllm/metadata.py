@@ -22,17 +22,18 @@ with it, our reference costs a memo entry), and the first computes,
   tuple. vLLM's fields are never touched: the scheduler reads what it would
   read without kvobs-otel.
 - A step with first computes and nothing of vLLM's (vLLM returns None):
-  ``ReceiptWorkerMetadata``, vLLM's class reading as vLLM's defaults
-  ("nothing completed", shared read-only values), pickled as the receipts
-  alone (vLLM's default pickle of its empty transfer stats costs several
-  times more, on the serving thread of both ends).
+  ``ReceiptWorkerMetadata``, vLLM's class with every field at vLLM's
+  default ("nothing completed"; the empty transfer stats one shared object,
+  which vLLM only reads), pickled as the receipts alone (vLLM's default
+  pickle of its empty transfer stats costs several times more, on the
+  serving thread of both ends).
 - vLLM's ``aggregate()`` builds its merged object from its own fields:
   ``merged`` joins the ranks' receipts onto it (instrumentor.py wraps it).
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from dataclasses import fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -45,23 +46,25 @@ RECEIPTS_ATTR = "kvobs_receipts"
 Receipts = tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]
 
 
-# vLLM's own defaults, made once: what vLLM's scheduler reads from a
-# ReceiptWorkerMetadata (it only reads them: offloading/scheduler.py
-# _update_connector_output), shared and never written.
-_DEFAULTS = OffloadingWorkerMetadata()
+# vLLM's default transfer stats, made once by vLLM's own factory: a
+# ReceiptWorkerMetadata shares it (vLLM only reads it from a received object:
+# offloading/scheduler.py _update_connector_output; building one is two
+# dataclasses per object, at both ends).
+_EMPTY_STATS = OffloadingWorkerMetadata().transfer_stats
+_HAS_FAILED_JOBS = "failed_jobs" in {f.name for f in fields(OffloadingWorkerMetadata)}
 
 
 class ReceiptWorkerMetadata(OffloadingWorkerMetadata):
-    """vLLM's worker metadata reading as vLLM's defaults ("nothing
-    completed"), carrying first computes on a step vLLM had nothing to
-    report. Built without vLLM's dataclass ``__init__`` (a dict, a set and
-    three stats objects per instance, at both ends)."""
+    """vLLM's worker metadata with every field vLLM defines at its default
+    ("nothing completed"), carrying first computes on a step vLLM had
+    nothing to report."""
 
-    completed_jobs = MappingProxyType(_DEFAULTS.completed_jobs)
-    failed_jobs = frozenset(getattr(_DEFAULTS, "failed_jobs", ()))
-    transfer_stats = _DEFAULTS.transfer_stats
+    transfer_stats = _EMPTY_STATS
 
-    def __init__(self, receipts: Receipts) -> None:  # (not vLLM's: see above)
+    def __init__(self, receipts: Receipts) -> None:  # (vLLM's defaults, cheaper)
+        self.completed_jobs: dict[int, int] = {}
+        if _HAS_FAILED_JOBS:
+            self.failed_jobs: set[int] = set()
         self.kvobs_receipts = receipts
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -363,10 +363,11 @@ class WorkerSeams:
             pending = self.pending
             if pending:
                 t, offer, consumer = _now(), self.offer, self.consumer
+                rank, gen, confirmed = self.rank, self.gen, []
                 for r, (epoch, kind, sched_gen, bind_ns) in pending.items():
                     offer((consumer, ev.W_FIRST_COMPUTE, t, bind_ns, r, epoch, kind, sched_gen))
-                rank, gen = self.rank, self.gen
-                computed = tuple([(rank, gen, r, p[0]) for r, p in pending.items()])
+                    confirmed.append((rank, gen, r, epoch))
+                computed = tuple(confirmed)
                 pending.clear()
             completed = meta.completed_jobs if meta is not None else None
             # vLLM's own dict and set, not copies: pickled with vLLM's fields,

@@ -46,6 +46,8 @@ SEAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "receipts": ("scheduler", ("update_connector_output",)),
     "waits": ("scheduler", ("get_num_new_matched_tokens",)),
     "admission": ("scheduler", ("update_state_after_alloc",)),
+    # (confirms the admissions the step seam saw, when their step's output comes)
+    "first_compute": ("scheduler", ("update_from_output",)),
     "preemption": ("scheduler", ("_preempt_request",)),
     "request": ("scheduler", ("on_new_request", "request_finished",
                               "request_finished_all_groups", "reset_cache")),

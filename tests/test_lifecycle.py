@@ -47,10 +47,16 @@ def step(lc, t, preempted=(), loads=(), stores=(), flushed=(), admitted=(), step
                stores, tuple(flushed), _pad(admitted, (None, None, None, None, 0, None))))
 
 
-def receipts(lc, t, reporters=(), computed=(), steps=0):
+def receipts(lc, t, reporters=(), steps=0):
     """reporters: (rank, worker_gen, job_ids[, failed_job_ids])."""
-    lc.handle((lc, ev.S_RECEIPTS, t, steps, _pad(reporters, (None, None, None, ())),
-               tuple(computed)))
+    lc.handle((lc, ev.S_RECEIPTS, t, steps, _pad(reporters, (None, None, None, ()))))
+
+
+def output(lc, t, admitted, steps=0):
+    """The output of the step that admitted ``admitted`` ((req_id, epoch[,
+    compute_kind]), ...) came back from every rank."""
+    lc.handle((lc, ev.S_COMPUTED, t, steps,
+               {r: (e, k[0] if k else "decode") for r, e, *k in admitted}))
 
 
 def test_receipt_completes_only_when_every_rank_reported_once():
@@ -152,9 +158,10 @@ def test_episode_chain_preserve_restore_admission_first_compute():
     step(lc, 30, loads=[(2, "r", False, 4)])
     receipts(lc, 40, [(0, "a", (2,)), (1, "b", (2,))])
     step(lc, 50, admitted=[("r", 1, "decode")])
-    receipts(lc, 60, computed=[(0, "a", "r", 1)])
     assert not sink.of(rec.EpisodeRecord)
-    receipts(lc, 70, computed=[(1, "b", "r", 1)])
+    output(lc, 60, [("r", 2)])  # another epoch's: not this episode
+    assert not sink.of(rec.EpisodeRecord)
+    output(lc, 70, [("r", 1)])
     (ep,) = sink.of(rec.EpisodeRecord)
     assert ep.outcome == rec.RECOVERED and ep.epoch == 1
     assert ep.preserve_jobs == [1] and ep.restore_jobs == [2]
@@ -216,7 +223,7 @@ def test_failed_restore_under_policy_recompute_follows_the_request_to_its_prefil
     # Recomputed from scratch: 16 tokens found in the device prefix cache, the
     # planned restore (48) brought nothing back.
     step(lc, 30, admitted=[("r", 1, "prefill", 16, 48)])
-    receipts(lc, 40, computed=[(0, "a", "r", 1), (1, "b", "r", 1)])
+    output(lc, 40, [("r", 1)])
     (ep,) = sink.of(rec.EpisodeRecord)
     assert ep.outcome == rec.RECOMPUTED and ep.compute_kind == "prefill"
     assert ep.failed_restore_jobs == [5] and ep.failed_ranks == [0]
@@ -244,7 +251,7 @@ def test_recovery_accounting_restored_resident_recomputed():
     receipts(lc, 20, [(0, "a", (5,))])
     # 64 restored + 32 still in the device prefix cache; 4 computed again.
     step(lc, 30, admitted=[("r", 1, "prefill", 96, 64)])
-    receipts(lc, 40, computed=[(0, "a", "r", 1)])
+    output(lc, 40, [("r", 1)])
     (ep,) = sink.of(rec.EpisodeRecord)
     assert ep.outcome == rec.RECOVERED
     assert (ep.tokens_discarded, ep.tokens_restored, ep.tokens_resident,
@@ -259,7 +266,7 @@ def test_accounting_inside_a_multiconnector_tells_other_connectors_tokens_apart(
     lc, sink = sched(world=1)
     step(lc, 0, preempted=[("r", 1, 100)])
     step(lc, 30, admitted=[("r", 1, "prefill", 64, 0, 48)])
-    receipts(lc, 40, computed=[(0, "a", "r", 1)])
+    output(lc, 40, [("r", 1)])
     (ep,) = sink.of(rec.EpisodeRecord)
     assert (ep.tokens_discarded, ep.tokens_restored, ep.tokens_resident,
             ep.tokens_other_connector, ep.tokens_recomputed) == (100, 0, 16, 48, 36)
@@ -270,7 +277,7 @@ def test_accounting_inside_a_multiconnector_it_cannot_measure_leaves_resident_un
     lc, sink = sched(world=1)
     step(lc, 0, preempted=[("r", 1, 100)])
     step(lc, 30, admitted=[("r", 1, "prefill", 64, 0, ev.OTHER_UNKNOWN)])
-    receipts(lc, 40, computed=[(0, "a", "r", 1)])
+    output(lc, 40, [("r", 1)])
     (ep,) = sink.of(rec.EpisodeRecord)
     # What the request held and what it computed again stay exact.
     assert (ep.tokens_resident, ep.tokens_other_connector, ep.tokens_recomputed) == (

@@ -1,9 +1,8 @@
 """The workers -> scheduler extension of vLLM's worker metadata, on whatever
-vLLM is installed: receipts attached to vLLM's own object (or, when vLLM had
-nothing to report, to an object of vLLM's class with vLLM's defaults), so
-every field vLLM defines (0.34 added ``failed_jobs`` as its second field)
-arrives at vLLM's aggregator and scheduler exactly as vLLM's own metadata
-would, through a rank's pickle and vLLM's ``KVOutputAggregator``."""
+vLLM is installed: receipts attached to vLLM's own object, so every field
+vLLM defines (0.34 added ``failed_jobs`` as its second field) arrives at
+vLLM's aggregator and scheduler exactly as vLLM's own metadata would, through
+a rank's pickle and vLLM's ``KVOutputAggregator``."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 import kvobs_otel
-from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR, attach
+from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR
 
 from vllm_fields import VLLM_FIELDS
 
@@ -42,6 +41,12 @@ def stock_meta(jobs: tuple[int, ...], failed: tuple[int, ...] = (), stored: int 
     return meta
 
 
+def with_receipts(meta: OffloadingWorkerMetadata, reporters: tuple) -> OffloadingWorkerMetadata:
+    """What the worker seam does to a step's metadata (seams.WorkerSeams)."""
+    meta.kvobs_receipts = reporters
+    return meta
+
+
 def vllm_fields(meta: object) -> dict[str, object]:
     return {f.name: getattr(meta, f.name) for f in dataclasses.fields(OffloadingWorkerMetadata)}
 
@@ -59,29 +64,21 @@ def rank_metas() -> list[OffloadingWorkerMetadata]:
 def test_a_rank_metadata_carries_every_vllm_field_through_pickle(observe):
     for rank, meta in enumerate(rank_metas()):
         want = vllm_fields(meta)
-        ours = attach(meta, ((rank, f"g{rank}", tuple(meta.completed_jobs), ()),), ())
-        assert ours is meta  # vLLM's own object: vLLM's worker no longer holds it
+        ours = with_receipts(meta, ((rank, f"g{rank}", tuple(meta.completed_jobs), ()),))
         back = pickle.loads(pickle.dumps(ours))
         assert type(back) is OffloadingWorkerMetadata
         assert vllm_fields(back) == want
-        assert back.kvobs_receipts == (((rank, f"g{rank}", tuple(meta.completed_jobs), ()),),
-                                       ())
-    # vLLM had nothing, a first compute is reported: vLLM's class and defaults.
-    only_compute = attach(None, (), ((1, "g1", "r", 2),))
-    for got in (only_compute, pickle.loads(pickle.dumps(only_compute))):
-        assert isinstance(got, OffloadingWorkerMetadata)
-        assert vllm_fields(got) == vllm_fields(OffloadingWorkerMetadata())
-        assert got.kvobs_receipts == ((), ((1, "g1", "r", 2),))
+        assert back.kvobs_receipts == ((rank, f"g{rank}", tuple(meta.completed_jobs), ()),)
+    # Nothing attached: the class default, nothing extra on the wire.
+    assert pickle.loads(pickle.dumps(stock_meta((3,)))).kvobs_receipts is None
 
 
 def test_the_wire_form_adds_only_the_receipts(observe):
     # vLLM's own pickle of its object, plus one attribute and its tuples.
     stock = pickle.dumps(stock_meta((3,), stored=4096))
-    ours = pickle.dumps(attach(stock_meta((3,), stored=4096), ((1, "g1", (3,), ()),), ()))
+    ours = pickle.dumps(with_receipts(stock_meta((3,), stored=4096), ((1, "g1", (3,), ()),)))
     assert RECEIPTS_ATTR.encode() in ours and len(ours) - len(stock) < 80
-    # First computes alone: the receipts, not vLLM's empty stats.
-    alone = pickle.dumps(attach(None, (), ((1, "g1", "r", 2),)))
-    assert b"TransferStats" not in alone and b"completed_jobs" not in alone
+    assert RECEIPTS_ATTR.encode() not in stock
     # Uninstrumented, vLLM's class has no such attribute left.
     kvobs_otel.uninstrument()
     assert not hasattr(OffloadingWorkerMetadata(), RECEIPTS_ATTR)
@@ -107,8 +104,7 @@ def test_vllm_aggregates_observed_ranks_exactly_as_its_own(observe):
     assert type(want) is OffloadingWorkerMetadata and want.kvobs_receipts is None
 
     def observed() -> list[OffloadingWorkerMetadata]:
-        return [attach(m, ((r, f"g{r}", tuple(m.completed_jobs), ()),),
-                       ((r, f"g{r}", "req", 1),) if r == 1 else ())
+        return [with_receipts(m, ((r, f"g{r}", tuple(m.completed_jobs), ()),))
                 for r, m in enumerate(rank_metas())]
 
     got = aggregate(observed())
@@ -117,36 +113,22 @@ def test_vllm_aggregates_observed_ranks_exactly_as_its_own(observe):
     assert got.completed_jobs == {3: 2, 4: 2}
     if supports_failures():
         assert got.failed_jobs == {4}
-    assert got.kvobs_receipts == (((0, "g0", (3, 4), ()), (1, "g1", (3,), ()),
-                                   (2, "g2", (4,), ())), ((1, "g1", "req", 1),))
+    assert got.kvobs_receipts == ((0, "g0", (3, 4), ()), (1, "g1", (3,), ()),
+                                  (2, "g2", (4,), ()))
     # A stock rank (no receipts) mixed in, between observed ones or first.
     ranks = observed()
     mixed = aggregate([ranks[0], rank_metas()[1], ranks[2]])
     assert vllm_fields(mixed) == vllm_fields(want)
-    assert mixed.kvobs_receipts == (((0, "g0", (3, 4), ()), (2, "g2", (4,), ())), ())
+    assert mixed.kvobs_receipts == ((0, "g0", (3, 4), ()), (2, "g2", (4,), ()))
     ranks = observed()
     first_stock = aggregate([rank_metas()[0], ranks[1], ranks[2]])
-    assert first_stock.kvobs_receipts == (((1, "g1", (3,), ()), (2, "g2", (4,), ())),
-                                          ((1, "g1", "req", 1),))
-    # A rank with only a first compute (None to vLLM without kvobs-otel),
-    # first or last beside one vLLM reported for: vLLM gets that one's
-    # fields as they are, as when the other rank returns None.
-    alone_stock = aggregate([rank_metas()[1]])
-    computed = attach(None, (), ((0, "g0", "req", 1),))
-    both = aggregate([computed, observed()[1]])
-    assert type(both) is OffloadingWorkerMetadata
-    assert vllm_fields(both) == vllm_fields(alone_stock)
-    assert both.kvobs_receipts == (((1, "g1", (3,), ()),),
-                                   ((0, "g0", "req", 1), (1, "g1", "req", 1)))
-    computed = attach(None, (), ((2, "g2", "req", 1),))
-    last = aggregate([observed()[1], computed])
-    assert vllm_fields(last) == vllm_fields(alone_stock)
-    assert last.kvobs_receipts == (((1, "g1", (3,), ()),),
-                                   ((1, "g1", "req", 1), (2, "g2", "req", 1)))
-    # Every rank with only first computes: vLLM's defaults, every receipt.
-    only = aggregate([attach(None, (), ((r, f"g{r}", "req", 1),)) for r in range(3)])
-    assert vllm_fields(only) == vllm_fields(OffloadingWorkerMetadata())
-    assert only.kvobs_receipts == ((), tuple((r, f"g{r}", "req", 1) for r in range(3)))
+    assert first_stock.kvobs_receipts == ((1, "g1", (3,), ()), (2, "g2", (4,), ()))
+    # A rank that reported nothing returns None, as vLLM's own does: vLLM
+    # passes the other rank's object on, receipts and all.
+    ranks = observed()
+    none_first = aggregate([None, ranks[1]])
+    assert vllm_fields(none_first) == vllm_fields(aggregate([rank_metas()[1]]))
+    assert none_first.kvobs_receipts == ((1, "g1", (3,), ()),)
     # One rank reported: vLLM passes its object on unaggregated.
     alone = aggregate([observed()[1]])
-    assert alone.kvobs_receipts == (((1, "g1", (3,), ()),), ((1, "g1", "req", 1),))
+    assert alone.kvobs_receipts == ((1, "g1", (3,), ()),)

@@ -26,11 +26,14 @@ S_REQUEST = 1
 # measurable).
 S_STEP = 2
 OTHER_UNKNOWN = -1
-# (steps, reporters: ((rank, worker_gen, job_ids, failed_job_ids), ...),
-#  computed: ((rank, worker_gen, req_id, epoch), ...)); job_ids and
-# failed_job_ids are collections of ints (vLLM's own dict and set, read by
-# iteration and membership only)
+# (steps, reporters: ((rank, worker_gen, job_ids, failed_job_ids), ...));
+# job_ids and failed_job_ids are collections of ints (vLLM's own dict and
+# set, read by iteration and membership only)
 S_RECEIPTS = 3
+# The output of a step that re-admitted requests came back from every rank:
+# their first compute ran on all of them. (steps, {req_id: (epoch,
+# compute_kind)}: the step's admitted, as S_STEP's rows were built from)
+S_COMPUTED = 20
 # (req_id, status: FINISHED_*)
 S_FINISHED = 4
 # ()

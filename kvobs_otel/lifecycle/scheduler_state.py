@@ -159,7 +159,11 @@ class SchedulerLifecycle:
             return
         if kind == ev.S_RECEIPTS:
             self.advance(t, event[3])
-            self._receipts(t, *event[4:])
+            self._receipts(t, event[4])
+            return
+        if kind == ev.S_COMPUTED:
+            self.advance(t, event[3])
+            self._computed(t, event[4])
             return
         self.advance(t, event[3] if kind == ev.S_MARK else 0)
         if kind == ev.S_REQUEST:
@@ -249,7 +253,7 @@ class SchedulerLifecycle:
         return job
 
     # -- receipts ------------------------------------------------------------------
-    def _receipts(self, t: int, reporters, computed) -> None:
+    def _receipts(self, t: int, reporters) -> None:
         for rank, _wgen, job_ids, failed in reporters:
             for job_id in job_ids:
                 job = self.jobs.get(job_id)
@@ -268,17 +272,19 @@ class SchedulerLifecycle:
                     job.failed.add(rank)
                 if len(job.received) >= self.world:
                     self._end_job(job_id, t, rec.JOB_FAILED if job.failed else rec.COMPLETE)
-        for rank, _wgen, req_id, epoch in computed:
+
+    def _computed(self, t: int, admitted: dict[str, tuple[int, str]]) -> None:
+        """Every rank ran the first compute of these re-admitted requests."""
+        for req_id, (epoch, _kind) in admitted.items():
             ep = self.episodes.get(req_id)
-            if ep is None or ep.epoch != epoch or rank in ep.computed:
+            if ep is None or ep.epoch != epoch:
                 continue
-            ep.computed[rank] = t
-            if len(ep.computed) >= self.world:
-                del self.episodes[req_id]
-                # A failed restore that vLLM recomputed: the request came back,
-                # from scratch.
-                self._end_episode(req_id, ep, t, rec.RECOMPUTED
-                                  if ep.failed_jobs or ep.failed_tier_jobs else rec.RECOVERED)
+            ep.computed = dict.fromkeys(range(self.world), t)
+            del self.episodes[req_id]
+            # A failed restore that vLLM recomputed: the request came back,
+            # from scratch.
+            self._end_episode(req_id, ep, t, rec.RECOMPUTED
+                              if ep.failed_jobs or ep.failed_tier_jobs else rec.RECOVERED)
 
     def _end_job(self, job_id: int, t: int, outcome: str, cause: str | None = None) -> None:
         job = self.jobs.pop(job_id)

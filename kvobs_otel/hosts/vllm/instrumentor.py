@@ -76,9 +76,10 @@ def _after(method: str):
 # when it can record something: most steps of most ranks have nothing.
 # handle_preemptions, start_load_kv and wait_for_save are not watched: a
 # step's extension is noted at bind_connector_metadata, which every runner
-# calls each step (V2 right after handle_preemptions), and its first computes
-# are confirmed when its worker metadata is built, after its forward
-# (seams.WorkerSeams).
+# calls each step (V2 right after handle_preemptions), and a rank's first
+# computes are recorded when its worker metadata is built, after its forward
+# (seams.WorkerSeams); the scheduler confirms them when the step's output
+# comes back (_step_output).
 def _note_step_bind(orig):
     def bind_connector_metadata(self, connector_metadata):
         s = self._kvobs
@@ -94,9 +95,9 @@ def _worker_meta(orig):
     def build_connector_worker_meta(self):
         meta = orig(self)
         s = self._kvobs
-        if s is None or (meta is None and not s.pending):
-            return meta
-        return s.worker_meta(meta)
+        if s is not None and (meta is not None or s.pending):
+            s.worker_meta(meta)
+        return meta
     return build_connector_worker_meta
 
 
@@ -195,25 +196,31 @@ def _connector_output(orig):
     return update_connector_output
 
 
+def _step_output(orig):
+    # A step that re-admitted requests (seams.AWAITING): its output, every
+    # rank's, has come back; any other step costs a test of an empty dict.
+    from kvobs_otel.hosts.vllm.seams import AWAITING
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        result = orig(self, scheduler_output, model_runner_output)
+        if AWAITING:
+            entry = AWAITING.pop(id(scheduler_output), None)
+            if entry is not None:
+                for s, admitted in entry[1]:
+                    s.on_step_output(admitted)
+        return result
+    return update_from_output
+
+
 def _aggregate(orig):
     # vLLM's KVOutputAggregator calls aggregate() for the second and every
-    # further rank that returned worker metadata in a step. vLLM's builds a
+    # further rank that returned worker metadata in a step; vLLM's builds a
     # new object from its own fields: the ranks' receipts are joined onto it.
-    # A ReceiptWorkerMetadata (metadata.py) stands for a rank that returned
-    # None to vLLM: without kvobs-otel vLLM would have kept the other object
-    # as it is, and so does this (with the receipts joined): vLLM's
-    # aggregate, building a new object and merging transfer stats, runs only
-    # where it would run without kvobs-otel.
-    from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR, ReceiptWorkerMetadata, merged
+    from kvobs_otel.hosts.vllm.metadata import RECEIPTS_ATTR, merged
 
     def aggregate(self, other):
         mine, theirs = self.kvobs_receipts, getattr(other, RECEIPTS_ATTR, None)
-        if type(other) is ReceiptWorkerMetadata:
-            out = self
-        elif type(self) is ReceiptWorkerMetadata:
-            out = other
-        else:
-            out = orig(self, other)
+        out = orig(self, other)
         if mine is not None or theirs is not None:
             out.kvobs_receipts = merged(mine, theirs)
         return out
@@ -356,6 +363,7 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
     _wrap(C, "request_finished_all_groups", _after("on_request_finished"))
     _wrap(C, "reset_cache", _after("on_reset_cache"))
     _wrap(Scheduler, "_preempt_request", _preempt)
+    _wrap(Scheduler, "update_from_output", _step_output)
     # worker role
     _wrap(C, "bind_connector_metadata", _note_step_bind)
     _wrap(C, "build_connector_worker_meta", _worker_meta)

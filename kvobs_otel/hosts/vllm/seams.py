@@ -15,7 +15,6 @@ from typing import Any
 from kvobs_otel import identity
 from kvobs_otel.config import Settings
 from kvobs_otel.hosts.platform import device_type, vllm_version
-from kvobs_otel.hosts.vllm.metadata import attach
 from kvobs_otel.hosts.vllm.releases import Release
 from kvobs_otel.hosts.vllm.releases import blocks as _blocks
 from kvobs_otel.hosts.vllm.tier_seams import TierSeams, describe, tiering_manager
@@ -62,6 +61,27 @@ def _tokens_per_chunk(connector: Any) -> int | None:
 
 # vllm/v1/request.py RequestStatus: how the request ended.
 _FINISH_STATUS = {"FINISHED_ABORTED": ev.FINISHED_ABORTED, "FINISHED_ERROR": ev.FINISHED_ERROR}
+
+
+# id(SchedulerOutput) -> (that SchedulerOutput, [(SchedulerSeams, admitted),
+# ...]): the steps that re-admitted requests, until their output reaches
+# Scheduler.update_from_output (instrumentor.py). Holding the object keeps its
+# id from being reused; a few steps are in flight at most (vLLM's batch
+# queue), more only when a step's output never comes (a failed engine step):
+# the oldest is let go, and its episodes stay open until the receipt deadline
+# reports them.
+AWAITING: dict[int, tuple[Any, list[tuple[Any, dict[str, tuple[int, str]]]]]] = {}
+_MAX_AWAITING = 64
+
+
+def awaiting_output(so: Any, seams: Any, admitted: dict[str, tuple[int, str]]) -> None:
+    entry = AWAITING.get(id(so))
+    if entry is not None:
+        entry[1].append((seams, admitted))  # another connector of a MultiConnector
+        return
+    if len(AWAITING) >= _MAX_AWAITING:
+        del AWAITING[next(iter(AWAITING))]
+    AWAITING[id(so)] = (so, [(seams, admitted)])
 
 
 class SchedulerSeams:
@@ -234,6 +254,8 @@ class SchedulerSeams:
             # The workers get the same rows (every rank would build them):
             # loads with their device blocks, stores with theirs.
             meta.kvobs_step = (self.gen, episodes, admitted, load_rows, store_rows, flushed)
+            if admitted:
+                awaiting_output(so, self, admitted)
             offer((self.consumer, ev.S_STEP, _now(), steps, preempted, load_rows,
                    store_rows, flushed, self._accounted(admitted) if admitted else ()))
         except Exception:
@@ -253,13 +275,24 @@ class SchedulerSeams:
                          other))
         return tuple(rows)
 
-    def on_receipts(self, receipts: Any) -> None:
+    def on_receipts(self, reporters: Any) -> None:
         """The ranks' receipts on vLLM's aggregated worker metadata (called
         only when it carries some)."""
         try:
-            reporters, computed = receipts
             offer = self.offer
-            offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters, computed))
+            offer((self.consumer, ev.S_RECEIPTS, _now(), self.steps, reporters))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def on_step_output(self, admitted: dict[str, tuple[int, str]]) -> None:
+        """The output of a step that re-admitted requests reached the
+        scheduler: with a KV connector vLLM's executor waits for every rank's
+        output of a step (vllm/v1/executor/multiproc_executor.py
+        collective_rpc, its KVOutputAggregator), so every rank has run that
+        step's forward, the first compute of each of them."""
+        try:
+            offer = self.offer
+            offer((self.consumer, ev.S_COMPUTED, _now(), self.steps, admitted))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -354,30 +387,28 @@ class WorkerSeams:
         except Exception:
             self.pipeline.count_error("seam")
 
-    def worker_meta(self, meta: Any) -> Any:
-        """Confirm this step's first computes and attach who reported to
-        vLLM's worker metadata (its fields untouched); called when vLLM has
-        some or a first compute is pending."""
+    def worker_meta(self, meta: Any) -> None:
+        """Record this step's first computes (its forward has run) and attach
+        who reported to vLLM's worker metadata (its fields untouched); called
+        when vLLM has some or a first compute is pending."""
         try:
-            computed = ()
             pending = self.pending
             if pending:
                 t, offer, consumer = _now(), self.offer, self.consumer
-                rank, gen, confirmed = self.rank, self.gen, []
                 for r, (epoch, kind, sched_gen, bind_ns) in pending.items():
                     offer((consumer, ev.W_FIRST_COMPUTE, t, bind_ns, r, epoch, kind, sched_gen))
-                    confirmed.append((rank, gen, r, epoch))
-                computed = tuple(confirmed)
                 pending.clear()
-            completed = meta.completed_jobs if meta is not None else None
-            # vLLM's own dict and set, not copies: pickled with vLLM's fields,
-            # they cost a reference (vLLM hands this object over and starts
-            # a new one; nothing writes them after).
-            return attach(meta, ((self.rank, self.gen, completed, self.failed_jobs(meta)),)
-                          if completed else (), computed)
+            if meta is not None:
+                completed = meta.completed_jobs
+                if completed:
+                    # vLLM's own dict and set, not copies: pickled with
+                    # vLLM's fields, they cost a reference (vLLM hands this
+                    # object over and starts a new one; nothing writes them
+                    # after).
+                    meta.kvobs_receipts = ((self.rank, self.gen, completed,
+                                            self.failed_jobs(meta)),)
         except Exception:
             self.pipeline.count_error("seam")
-            return meta
 
     # -- the OffloadingWorker built by _init_worker ------------------------------------
     def attach_worker(self, connector_worker: Any) -> None:

@@ -45,12 +45,14 @@ METHODS: dict[str, tuple[str, ...]] = {
     f"{COMMON}:OffloadingWorkerMetadata.aggregate": ("self", "other"),
     # Read the computed tokens a preemption discards before vLLM zeroes them.
     f"{SCHEDULER}._preempt_request": ("self", "request", "timestamp", "drop_stale_output"),
+    # A step's output, every rank's: the first computes of its admissions ran.
+    f"{SCHEDULER}.update_from_output": ("self", "scheduler_output", "model_runner_output"),
 }
 
 FIELDS: dict[str, tuple[str, ...]] = {
     f"{COMMON}:TransferJob": ("req_id", "src_spec", "dst_spec", "sync"),
     f"{COMMON}:OffloadingConnectorMetadata": ("load_jobs", "store_jobs", "jobs_to_flush"),
-    f"{COMMON}:OffloadingWorkerMetadata": ("completed_jobs", "transfer_stats"),
+    f"{COMMON}:OffloadingWorkerMetadata": ("completed_jobs",),
     f"{OFFLOAD_BASE}:TransferResult": ("job_id", "success", "transfer_size", "transfer_time"),
 }
 

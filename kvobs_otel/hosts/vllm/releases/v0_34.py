@@ -22,7 +22,7 @@ METHODS = {
 }
 FIELDS = {
     **v0_33.FIELDS,
-    f"{COMMON}:OffloadingWorkerMetadata": ("completed_jobs", "failed_jobs", "transfer_stats"),
+    f"{COMMON}:OffloadingWorkerMetadata": ("completed_jobs", "failed_jobs"),
 }
 
 

@@ -29,7 +29,11 @@ def _counts(added: dict[str, float], base: float = 1_000_000) -> dict[str, dict[
     """Synthetic counts: disabled at ``base``, each seam adding ``added``."""
     counts = {d: _count(base + 100 * (i - 1))
               for i, d in enumerate(b6_instructions.DISABLED_RUNS)}
-    counts |= {"disabled+fs": _count(2 * base), "enabled+fs": _count(2 * base + 5_000)}
+    # The tiered pair: three processes each, one enabled+fs far off.
+    counts |= {d: _count(2 * base + 100 * i)
+               for i, d in enumerate(b6_instructions.DISABLED_FS_RUNS)}
+    counts |= {e: _count(2 * base + 5_000 + (40_000 if i == 2 else 0))
+               for i, e in enumerate(b6_instructions.ENABLED_FS_RUNS)}
     total = base
     names = list(SEAMS)
     for i, seam in enumerate(names):
@@ -50,7 +54,8 @@ def test_the_variants_add_the_seams_one_at_a_time() -> None:
     split = [v for v in full if v.startswith("enabled:")]
     assert split == [f"enabled:{','.join(names[:i])}" for i in range(1, len(names))]
     assert full[:3] == list(b6_instructions.DISABLED_RUNS)
-    assert {*b6_instructions.ENABLED_RUNS, "disabled+fs", "enabled+fs"} <= set(full)
+    assert {*b6_instructions.ENABLED_RUNS, *b6_instructions.DISABLED_FS_RUNS,
+            *b6_instructions.ENABLED_FS_RUNS} <= set(full)
     assert set(b6_instructions.variants(quick=True)) == {
         *b6_instructions.DISABLED_RUNS, *b6_instructions.ENABLED_RUNS, "disabled+fs",
         "enabled+fs"}
@@ -71,6 +76,9 @@ def test_the_split_sums_to_the_whole_and_names_each_seam_and_role() -> None:
     assert pairs[-1] == pytest.approx(whole + 50_100)
     goal, goal_fs = result.goals
     assert goal.value == pytest.approx(whole) and goal.met == (whole <= 45_000)
+    # 3 x 3 tiered pairs (disabled+fs 0, 100, 200 apart; one enabled+fs
+    # 40,000 off): the median pair.
+    assert len(result.data["added_fs_pairs"]) == 9
     assert goal_fs.value == pytest.approx(5_000)
 
 

@@ -105,20 +105,35 @@ def _after_alloc(orig):
     def update_state_after_alloc(self, request, blocks, num_external_tokens, *args, **kwargs):
         result = orig(self, request, blocks, num_external_tokens, *args, **kwargs)
         s = self._kvobs
-        if s is not None:  # once per admission, not per step
+        if s is not None and num_external_tokens:  # an admission that loads
             s.after_alloc(request, num_external_tokens)
         return result
     return update_state_after_alloc
 
 
 def _matched(orig):
-    # Every waiting request, every scheduling pass: the seam offers only the
-    # transitions into and out of the connector's "not yet".
+    # Every waiting request, every scheduling pass: a pass that stays "not
+    # yet" is only counted, here; the transitions into and out of it reach
+    # the seam. (Our part in a try: it reads vLLM's request.)
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         result = orig(self, request, num_computed_tokens)
         s = self._kvobs
-        if s is not None and (s.waits or result[0] is None):
-            s.on_matched(request, result)
+        if s is not None:
+            try:
+                waits = s.waits
+                if result[0] is None:
+                    r = request.request_id
+                    n = waits.get(r)
+                    if n is None:
+                        s.on_wait(r)
+                    else:
+                        waits[r] = n + 1
+                elif waits:
+                    r = request.request_id
+                    if r in waits:
+                        s.on_wait_end(r)
+            except Exception:
+                s.pipeline.count_error("seam")
         return result
     return get_num_new_matched_tokens
 

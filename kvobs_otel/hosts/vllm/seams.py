@@ -162,28 +162,28 @@ class SchedulerSeams:
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         # A preempted request's re-admission may be planned in the very step
         # that reports its preemption: num_preemptions, not the open episodes.
-        # After an async load vLLM allocates again (0 external tokens): sum.
+        # After an async load vLLM allocates again (0 external tokens, not
+        # passed on): sum.
         try:
-            if request.num_preemptions and num_external_tokens:
+            if request.num_preemptions:
                 r = request.request_id
                 self.restored[r] = self.restored.get(r, 0) + int(num_external_tokens)
         except Exception:
             self.pipeline.count_error("seam")
 
-    def on_matched(self, request: Any, result: Any) -> None:
-        """After get_num_new_matched_tokens, for every waiting request each
-        scheduling pass: only the transitions are offered."""
+    def on_wait(self, r: str) -> None:
+        """The connector answered "not yet" (None) for a request that was not
+        waiting (get_num_new_matched_tokens, instrumentor.py)."""
         try:
-            r = request.request_id
-            if result[0] is None:
-                n = self.waits.get(r)
-                if n is None:
-                    self.waits[r] = 1
-                    self.offer((self.consumer, ev.S_WAIT, _now(), r))
-                else:
-                    self.waits[r] = n + 1
-            elif r in self.waits:
-                self.offer((self.consumer, ev.S_WAIT_END, _now(), r, self.waits.pop(r), True))
+            self.waits[r] = 1
+            self.offer((self.consumer, ev.S_WAIT, _now(), r))
+        except Exception:
+            self.pipeline.count_error("seam")
+
+    def on_wait_end(self, r: str) -> None:
+        """It answered a waiting request."""
+        try:
+            self.offer((self.consumer, ev.S_WAIT_END, _now(), r, self.waits.pop(r), True))
         except Exception:
             self.pipeline.count_error("seam")
 

@@ -64,7 +64,9 @@ class _Episode:
     ready_ns: int | None = None
     admitted_ns: int | None = None
     compute_kind: str | None = None
-    computed: dict[int, int] = field(default_factory=dict)  # rank -> t
+    # Every rank ran its first compute (the admitting step came back): all
+    # or none, so a flag (scheduler_state._computed).
+    computed: bool = False
     failed_jobs: list[int] = field(default_factory=list)
     failed_ranks: set[int] = field(default_factory=set)
     # The request ended with an error while a restore was still out: the
@@ -279,7 +281,7 @@ class SchedulerLifecycle:
             ep = self.episodes.get(req_id)
             if ep is None or ep.epoch != epoch:
                 continue
-            ep.computed = dict.fromkeys(range(self.world), t)
+            ep.computed = True
             del self.episodes[req_id]
             # A failed restore that vLLM recomputed: the request came back,
             # from scratch.
@@ -361,10 +363,11 @@ class SchedulerLifecycle:
     def _end_episode(self, req_id: str, ep: _Episode, t: int, outcome: str,
                      cause: str | None = None) -> None:
         missing_fc = []
+        computed_fc = list(range(self.world)) if ep.computed else []
         restored = resident = recomputed = other = None
         by_tier: dict[int, int] = {}
         if ep.admitted_ns is not None:
-            missing_fc = sorted(set(range(self.world)) - ep.computed.keys())
+            missing_fc = [] if ep.computed else list(range(self.world))
             # A failed restore brought nothing back, whatever was planned.
             restored = 0 if ep.failed_jobs else ep.restored
             if ep.promoted and restored and self.tokens_per_chunk:
@@ -387,7 +390,7 @@ class SchedulerLifecycle:
             end_ns=t, outcome=outcome, traceparent=ep.traceparent,
             preserve_jobs=ep.preserve_jobs, restore_jobs=ep.restore_jobs, events=ep.events,
             expected_ranks=self.world, ready_ns=ep.ready_ns, admitted_ns=ep.admitted_ns,
-            compute_kind=ep.compute_kind, first_compute_ranks=sorted(ep.computed),
+            compute_kind=ep.compute_kind, first_compute_ranks=computed_fc,
             missing_first_compute_ranks=missing_fc, incomplete_jobs=ep.incomplete_jobs,
             failed_restore_jobs=ep.failed_jobs, failed_ranks=sorted(ep.failed_ranks),
             tokens_discarded=ep.discarded, tokens_restored=restored, tokens_resident=resident,

@@ -132,7 +132,10 @@ class Variant:
         # The harness's variables for the whole process: no variant then sets
         # any per call (disabled has one more than the others).
         os.environ.update(h.env)
-        observed = h.scheduler.connector.__dict__.get("_kvobs") is not None
+        # (getattr, not __dict__: reading an instance's __dict__ turns its
+        # attributes into a dict CPython 3.11 no longer specializes loads of,
+        # vLLM's included, for the rest of the run)
+        observed = getattr(h.scheduler.connector, "_kvobs", None) is not None
         # Each variant must really be what it claims, or B2 measures nothing.
         ok = observed == self.observing
         if self.name == "unobserved":

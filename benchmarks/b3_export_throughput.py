@@ -142,7 +142,7 @@ def _step(rate: int, seconds: float, mode: str, collector: Collector) -> dict[st
     ticks = int(seconds / tick_s)
     for i in range(ticks):
         loads = tuple((job + k, f"req-{(job + k) // 8}", False, 16) for k in range(per_tick))
-        offer((consumer, ev.W_STEP, now(), sched, loads, (), (), {}))
+        offer((consumer, ev.W_STEP, now(), (sched, {}, {}, loads, (), ())))
         for j, _req, _s, _b in loads:
             offer((consumer, ev.W_SUBMIT, now(), j, True, True, False))
             offer((consumer, ev.W_RESULT, now(), j, True, 1 << 20, 0.001))

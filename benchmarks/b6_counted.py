@@ -1,8 +1,10 @@
 """B6 child: one variant of B2's engine loop, its steps counted by callgrind.
 
 ``valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no
---toggle-collect=math_fsum ... python -m benchmarks.b6_counted --variant V
---steps N --out FILE`` (benchmarks/b6_instructions.py builds the command).
+--toggle-collect=math_fsum ... python -m benchmarks.b6_counted --layout K
+--job FILE`` (benchmarks/b6_instructions.py builds the command and writes
+FILE: the variant, the steps, the endpoint, where to write the summary).
+``--layout`` is read first, by benchmarks/b6_layout.py.
 
 The process imports, builds the variant and runs one repeat of the
 workload natively fast (valgrind translates but does not instrument), turns
@@ -32,6 +34,10 @@ import sys
 import time
 from typing import Any
 
+# First: the process's memory layout, before the imports below allocate.
+from benchmarks.b6_layout import LAYOUT
+
+# isort: split
 from benchmarks.b2_variant import Variant
 from benchmarks.common import apply_clean_env, single_thread_torch
 from benchmarks.workload import QUICK_SHAPE, HeavyOffload, WorkloadShape
@@ -62,17 +68,17 @@ DRAIN_EVERY = 8  # steps
 
 def keep_only(seams: list[str]) -> list[str]:
     """Put back vLLM's own method for every wrapper outside ``seams``."""
-    from kvobs_otel.hosts.vllm import instrumentor
+    from kvobs_otel.hosts.vllm import patching
 
     keep = set(ALWAYS).union(*(SEAMS[s][1] for s in seams))
     known = set(ALWAYS).union(*(m for _r, m in SEAMS.values()))
     removed = []
-    for cls, name, original in list(instrumentor._patches):
+    for cls, name, original in list(patching._patches):
         if name not in known:
             raise RuntimeError(f"B6: instrumentor wraps {name}, which no seam names")
         if name in keep:
             continue
-        if original is instrumentor._MISSING:
+        if original is patching._MISSING:
             delattr(cls, name)
         else:
             setattr(cls, name, original)
@@ -115,6 +121,12 @@ def _settle(tiers: list[Any]) -> None:
                 time.sleep(0.0005)
 
 
+def _drain(pipeline: Any, i: int) -> None:
+    if pipeline is not None and not i % DRAIN_EVERY:
+        while pipeline.buffer.drain():
+            pass
+
+
 def _hold_drain() -> Any:
     """Stop kvobs-otel's drain thread for the window; this thread empties
     the buffer instead, every ``DRAIN_EVERY`` steps between counted steps,
@@ -133,12 +145,10 @@ def _hold_drain() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.b6_counted")
-    ap.add_argument("--variant", required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--layout", type=int, required=True)
+    ap.add_argument("--job", required=True)
+    with open(ap.parse_args(argv).job) as f:
+        args = argparse.Namespace(**json.load(f))
     apply_clean_env()
     single_thread_torch()
     name, _, seams = args.variant.partition(":")
@@ -147,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                       args.endpoint)
     removed = keep_only(seams.split(",")) if seams else []
     warm = variant.build()
-    warm.run()
+    # Held from the start: the warm-up runs on this thread alone too, so
+    # what it allocates and in which order types get their attribute-cache
+    # tags (b6_layout.py) is the same in every process of a variant.
+    pipeline = _hold_drain()
+    while not warm.done():
+        _drain(pipeline, warm.index)
+        warm.step()
     warm.harness.close()
     before = variant.counters()
     work: HeavyOffload = variant.build()
-    pipeline = _hold_drain()
     # As vLLM's EngineCore does once it is up (vllm/v1/engine/core.py calls
     # vllm.utils.gc_utils.freeze_gc_heap): what exists now is frozen, so a
     # collection in the window visits only what serving allocated, and every
@@ -183,12 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         # Uncounted: vLLM's tiers finish their work, and the buffer is emptied
         # as often as the drain thread would (every 200 ms: 8 steps of ~25 ms).
         _settle(tiers)
-        if pipeline is not None and not i % DRAIN_EVERY:
-            while pipeline.buffer.drain():
-                pass
+        _drain(pipeline, i)
         math.fsum(one_step())  # counted (--toggle-collect=math_fsum)
     dropped = pipeline.buffer.dropped_full if pipeline is not None else 0
-    summary = {"steps": work.index, "dropped": dropped, "removed": removed,
+    summary = {"steps": work.index, "dropped": dropped, "removed": removed, "layout": LAYOUT,
                "workload": work.summary(), "before": before, "after": variant.counters()}
     with open(args.out, "w") as f:
         json.dump(summary, f)

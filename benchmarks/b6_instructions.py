@@ -4,17 +4,20 @@ B2's timed ratio swings by several percent between runs on a shared machine;
 an instruction count does not. Each variant of B2's workload (same seed,
 inline ranks: scheduler, connectors and both ranks on one thread) runs in its
 own process under valgrind's callgrind (benchmarks/b6_counted.py), which
-counts the serving thread's instructions over the measured steps. Processes
-of the same variant count apart (where objects sit, not what runs: see
-DISABLED_RUNS): ``disabled`` and ``enabled`` are counted three times each,
-each variant's figure is the median, and the range of ``disabled`` is
-reported as the resolution.
+counts the serving thread's instructions over the measured steps. What a
+step costs also depends on where objects sit (CPython's type-attribute cache
+is indexed by addresses: benchmarks/b6_layout.py), so each process runs in a
+fixed memory layout: within a layout the same code counts the same (disabled
+to the instruction, enabled within about 2,000 per step), between layouts it
+moves by several thousand per step.
+``disabled`` and ``enabled`` are counted in the same three layouts and
+compared layout by layout; the line is the median of the three differences.
 
 - ``enabled`` over ``disabled``: what the seams add, per step and per role.
 - Per seam: the seams are added one at a time, in the order the next reads
   the previous one's work (``b6_counted.SEAMS``), each variant a process of
-  its own: the steps of the split sum to the whole, each within the
-  resolution.
+  its own, in layout 1: the steps of the split sum to the whole (each also
+  moves what the layout costs).
 - ``enabled+fs`` over ``disabled+fs``: the same with vLLM's fs tier.
 
 Sampled: every variant counts the same contiguous window of B2's workload
@@ -26,6 +29,7 @@ runs outside the window (imports, warm-up) runs under valgrind uncounted.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import os
 import platform
@@ -54,15 +58,12 @@ TITLE = "instructions the seams add to vLLM's serving thread per step (callgrind
 STEPS = 530  # B2's repeat, whole
 QUICK_STEPS = 60
 GOAL_PER_STEP = 45_000
-# disabled and enabled each counted in three processes: how far counts of
-# the same code fall apart (a few thousand instructions per step: where
-# objects sit, not what runs; b6_counted runs every counted step in a fresh
-# contextvars.Context, which removed the largest such lottery) is the
-# resolution of every difference, and each variant's count is the median of
-# its three.
+# disabled and enabled each counted in three layouts (b6_layout.py: the
+# suffix @K is layout K, none is layout 1), compared layout by layout; so is
+# the tiered pair (one layout with --quick). The per-seam split runs in
+# layout 1.
 DISABLED_RUNS = ("disabled", "disabled@2", "disabled@3")
 ENABLED_RUNS = ("enabled", "enabled@2", "enabled@3")
-# The tiered pair likewise (one process each with --quick).
 DISABLED_FS_RUNS = ("disabled+fs", "disabled+fs@2", "disabled+fs@3")
 ENABLED_FS_RUNS = ("enabled+fs", "enabled+fs@2", "enabled+fs@3")
 PARALLEL = 2
@@ -83,18 +84,22 @@ def valgrind() -> str | None:
     return shutil.which("valgrind") if shutil.which("callgrind_control") else None
 
 
-def _count(variant: str, steps: int, quick: bool, endpoint: str, workdir: str
+def _count(key: str, steps: int, quick: bool, endpoint: str, workdir: str
            ) -> dict[str, Any]:
-    tag = variant.replace(":", "_").replace(",", "_").replace("+", "_").replace("@", "_")
-    key, variant = variant, variant.split("@")[0]
+    variant, _, layout = key.partition("@")
+    tag = key.replace(":", "_").replace(",", "_").replace("+", "_").replace("@", "_")
     out = os.path.join(workdir, f"{tag}.json")
     cg = os.path.join(workdir, f"{tag}.cg")
+    # The child's command line is the same length for every variant (its
+    # layout starts with it): the rest goes in a file of a fixed-length name.
+    job = os.path.join(workdir, hashlib.sha1(key.encode()).hexdigest()[:16] + ".job")
+    with open(job, "w") as f:
+        json.dump({"variant": variant, "steps": steps, "endpoint": endpoint, "out": out,
+                   "quick": quick}, f)
     cmd = [*_no_aslr(), str(valgrind()), "--tool=callgrind", "--instr-atstart=no",
            "--collect-atstart=no", "--toggle-collect=math_fsum", "--separate-threads=yes",
            f"--callgrind-out-file={cg}", sys.executable, "-m", "benchmarks.b6_counted",
-           "--variant", variant, "--steps", str(steps), "--endpoint", endpoint, "--out", out]
-    if quick:
-        cmd.append("--quick")
+           "--layout", str(int(layout or 1)), "--job", job]
     t0 = time.monotonic()
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), stdout=log, stderr=log,
@@ -180,28 +185,27 @@ def _result(counts: dict[str, dict[str, Any]], quick: bool, seconds: float) -> R
             raise RuntimeError(f"B6: {v} ran {c['steps']} steps ({c['workload']}), {base} "
                                f"{counts[base]['steps']} ({counts[base]['workload']}): "
                                "not the same workload")
-    # Each enabled process over each disabled one; the line is their median.
+    # Enabled over disabled in the same layout; the line is the median over
+    # the layouts.
     pairs = [_per_step(counts[e]) - _per_step(counts[d])
-             for e in ENABLED_RUNS for d in DISABLED_RUNS]
-    disabled = [_per_step(counts[d]) for d in DISABLED_RUNS]
-    enabled = statistics.median(_per_step(counts[e]) for e in ENABLED_RUNS)
+             for e, d in zip(ENABLED_RUNS, DISABLED_RUNS, strict=True) if e in counts]
+    disabled = [_per_step(counts[d]) for d in DISABLED_RUNS if d in counts]
     added = statistics.median(pairs)
-    resolution = max(disabled) - min(disabled)
+    layout_spread = max(disabled) - min(disabled)
     pairs_fs = [_per_step(counts[e]) - _per_step(counts[d])
-                for e in ENABLED_FS_RUNS if e in counts
-                for d in DISABLED_FS_RUNS if d in counts]
+                for e, d in zip(ENABLED_FS_RUNS, DISABLED_FS_RUNS, strict=True) if e in counts]
     added_fs = statistics.median(pairs_fs)
-    base = statistics.median(disabled)
-    goals = [Goal("seams' serving-thread instructions per step over disabled (exact; n=9: "
-                  "3 enabled x 3 disabled processes)",
+    base = _per_step(counts["disabled"])
+    goals = [Goal(f"seams' serving-thread instructions per step over disabled (exact; "
+                  f"median over n={len(pairs)} memory layouts)",
                   Spread.of(pairs), "<=", GOAL_PER_STEP, unit="", fmt=",.0f"),
              Goal(f"the same with vLLM's fs tier (enabled+fs over disabled+fs; "
-                  f"n={len(pairs_fs)})",
+                  f"n={len(pairs_fs)} layouts)",
                   Spread.of(pairs_fs), "<=", GOAL_PER_STEP, unit="", fmt=",.0f")]
     info = [f"disabled: {base / 1e6:.3f} M instructions per step on the serving thread; "
             f"enabled +{added:,.0f} (+{100 * added / base:.2f}%); "
-            f"{counts['enabled']['steps']} steps counted per variant; three counts of "
-            f"disabled lie within {resolution:,.0f} per step"]
+            f"{counts['enabled']['steps']} steps counted per variant; disabled moves by "
+            f"{layout_spread:,.0f} per step between layouts (exact within one)"]
     split: dict[str, float] = {}
     roles: dict[str, float] = {}
     if not quick:
@@ -209,14 +213,14 @@ def _result(counts: dict[str, dict[str, Any]], quick: bool, seconds: float) -> R
         for i, seam in enumerate(SEAMS):
             names = list(SEAMS)[:i + 1]
             key = "enabled" if i == len(SEAMS) - 1 else f"enabled:{','.join(names)}"
-            now = enabled if key == "enabled" else _per_step(counts[key])
+            now = _per_step(counts[key])
             split[seam] = now - prev
             role = SEAMS[seam][0]
             roles[role] = roles.get(role, 0.0) + now - prev
             prev = now
         info.append("per role: " + ", ".join(f"{r} +{v:,.0f}" for r, v in roles.items()))
-        info.append(f"per seam (added in this order; each one process over another, so "
-                    f"within about {resolution:,.0f}): " + ", ".join(
+        info.append("per seam (added in this order, in layout 1; each step of the split "
+                    "also moves what the layout costs, by up to the spread above): " + ", ".join(
             f"{s} +{v:,.0f}" for s, v in split.items()))
     events = counts["enabled"]["after"].get("events_accepted", 0) - counts["enabled"][
         "before"].get("events_accepted", 0)

@@ -120,7 +120,7 @@ def run_capture(shape: WorkloadShape) -> Capture:
     try:
         sched_conn = h.scheduler.connector
         work_conn = h.runner(0).connector
-        ss, ws = sched_conn.__dict__.get("_kvobs"), work_conn.__dict__.get("_kvobs")
+        ss, ws = getattr(sched_conn, "_kvobs", None), getattr(work_conn, "_kvobs", None)
         pipeline = current_pipeline()
         if ss is None or ws is None or pipeline is None:
             raise RuntimeError("the harness' connectors are not observed: is instrumentation on?")

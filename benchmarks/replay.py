@@ -17,8 +17,8 @@ Variants (one batch = every captured call of a seam, cycled to ~``calls``):
   the noise floor of the comparison.
 - ``unobserved``: the real patched wrapper on a facade without seams: the
   worst case of "patched, but this connector not observed" (one
-  ``__dict__.get``). Not applicable to the transfer seams: those are wrapped
-  per instance, only when observed.
+  attribute load). For the transfer seams: the watched copy-engine class's
+  wrapper on a worker without seams.
 - ``enabled``: the real patched wrapper on a facade carrying the harness'
   live seams; they record into the real bounded buffer.
 - ``python_call`` (a yardstick, not a variant of the product): the same loop
@@ -188,7 +188,7 @@ def facade_replay(cap: Capture, name: str, target: int, naive: NaiveSpans | None
         f.connector_scheduler = _ReplayScheduler(metas)
         f.connector_worker = _ReplayConnectorWorker()
         if observed:
-            f.__dict__[_ATTR] = seams
+            setattr(f, _ATTR, seams)  # (not via __dict__: it would unspecialize f's loads)
         return f
 
     argseq = _cycled(calls, target)
@@ -212,37 +212,39 @@ def _recopy(call: Call) -> tuple[Any, ...]:
     return (pickle.loads(pickle.dumps(call.args)), call.kwargs, call.result, call.events)
 
 
+class _ObservedReplayWorker(_ReplayOffloadingWorker):
+    """The same copy engine, its class watched as the instrumentor watches a
+    real one's (hosts/vllm/instrumentor.py, patching.watch)."""
+
+
 def worker_replay(cap: Capture, method: str, target: int, naive: NaiveSpans | None
                   ) -> SeamReplay | None:
+    from kvobs_otel.hosts.vllm import instrumentor, patching
+
     name = f"worker.{method}"
     calls = cap.calls.get(name) or []
     if not calls:
         return None
     finished = [c.result for c in cap.calls.get("worker.get_finished") or []]
     ws = cap.worker_seams
-
-    def observed_worker(offer: Callable[..., Any]) -> Any:
-        w = _ReplayOffloadingWorker(finished)
-        real, ws.offer = ws.offer, offer
-        try:
-            ws.wrap_offloading_worker(w)  # the seam's real closures, on this worker
-        finally:
-            ws.offer = real
-        return w
-
-    plain = _ReplayOffloadingWorker(finished)
+    patching.watch(_ObservedReplayWorker, instrumentor._WORKER_WRAPPERS)
+    wrapper = _ObservedReplayWorker.__dict__[method]
+    plain, unobserved = _ReplayOffloadingWorker(finished), _ObservedReplayWorker(finished)
+    observed = _ObservedReplayWorker(finished)
+    observed._kvobs = ws  # type: ignore[attr-defined]
     argseq = _cycled(calls, target)
     if method == "get_finished":
         argseq = [((), {})] * len(argseq)
+    enabled = _loop(wrapper, observed, argseq)
     replay = SeamReplay(name, len(argseq), {
-        "uninstrumented": _loop_free(getattr(plain, method), argseq),
-        "disabled": _loop_free(getattr(plain, method), argseq),
-        "enabled": _loop_free(getattr(observed_worker(ws.pipeline.offer), method), argseq),
+        "uninstrumented": _loop(wrapper.__wrapped__, plain, argseq),
+        "disabled": _loop(wrapper.__wrapped__, plain, argseq),
+        "unobserved": _loop(wrapper, unobserved, argseq),
+        "enabled": enabled,
         "python_call": _loop_free(_noop, argseq),
     })
     if naive is not None:
-        replay.batches["naive"] = _loop_free(getattr(observed_worker(naive.offer), method),
-                                             argseq)
+        replay.batches["naive"] = _with_offer(ws, naive.offer, enabled)
     return replay
 
 

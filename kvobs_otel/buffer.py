@@ -17,12 +17,13 @@ from typing import Any
 
 
 class EventBuffer:
-    __slots__ = ("_q", "capacity", "dropped_full", "_count")
+    __slots__ = ("_q", "capacity", "dropped_full", "_accepted", "_count")
 
     def __init__(self, capacity: int) -> None:
         self._q: deque[tuple[Any, ...]] = deque()
         self.capacity = capacity
         self.dropped_full = 0
+        self._accepted = 0
         self._count = memoryview(bytearray(8)).cast("Q")
 
     def offer(self, event: tuple[Any, ...]) -> bool:
@@ -30,17 +31,20 @@ class EventBuffer:
             self.dropped_full += 1
             return False
         self._q.append(event)
-        self._count[0] += 1
+        # Kept here and written through (a store into the mapped slot costs
+        # half of reading it back and adding).
+        self._accepted = n = self._accepted + 1
+        self._count[0] = n
         return True
 
     @property
     def accepted(self) -> int:
-        return int(self._count[0])
+        return self._accepted
 
     def count_into(self, view: memoryview) -> None:
         """Keep the accepted count in ``view`` (one unsigned 64-bit slot, in
         memory the sidecar maps) from now on, continuing the total."""
-        view[0] = self._count[0]
+        view[0] = self._accepted
         self._count = view
 
     def put_control(self, event: tuple[Any, ...]) -> None:

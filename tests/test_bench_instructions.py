@@ -27,8 +27,7 @@ def _count(per_step: float, steps: int = 10, events: int = 30,
 
 def _counts(added: dict[str, float], base: float = 1_000_000) -> dict[str, dict[str, Any]]:
     """Synthetic counts: disabled at ``base``, each seam adding ``added``."""
-    counts = {d: _count(base + 100 * (i - 1))
-              for i, d in enumerate(b6_instructions.DISABLED_RUNS)}
+    counts = {d: _count(base + 100 * i) for i, d in enumerate(b6_instructions.DISABLED_RUNS)}
     # The tiered pair: three processes each, one enabled+fs far off.
     counts |= {d: _count(2 * base + 100 * i)
                for i, d in enumerate(b6_instructions.DISABLED_FS_RUNS)}
@@ -40,11 +39,12 @@ def _counts(added: dict[str, float], base: float = 1_000_000) -> dict[str, dict[
         total += added[seam]
         key = "enabled" if i == len(names) - 1 else f"enabled:{','.join(names[:i + 1])}"
         counts[key] = _count(total)
-    # The other enabled processes: one at the median, one far off (a
-    # process that paid a layout penalty does not move the line).
-    again, off = b6_instructions.ENABLED_RUNS[1:]
-    counts[again] = _count(total - 100)
-    counts[off] = _count(total + 50_000)
+    # The other layouts: enabled over disabled +100 in one, +50,000 in the
+    # other (a layout that happens to cost the seams more does not move the
+    # median).
+    (d2, d3), (e2, e3) = b6_instructions.DISABLED_RUNS[1:], b6_instructions.ENABLED_RUNS[1:]
+    counts[e2] = _count(counts[d2]["serving"] / 10 + total - base + 100)
+    counts[e3] = _count(counts[d3]["serving"] / 10 + total - base + 50_000)
     return counts
 
 
@@ -69,16 +69,15 @@ def test_the_split_sums_to_the_whole_and_names_each_seam_and_role() -> None:
     for role in ("scheduler", "worker"):
         assert result.data["per_role"][role] == pytest.approx(
             sum(v for s, v in added.items() if SEAMS[s][0] == role))
-    # Three enabled over three disabled processes (100 apart, and one
-    # enabled process 50,000 off): the median pair.
-    pairs = sorted(result.data["added_pairs"])
-    assert len(pairs) == 9 and pairs[4] == pytest.approx(whole)
-    assert pairs[-1] == pytest.approx(whole + 50_100)
+    # Enabled over disabled layout by layout (the disabled counts themselves
+    # 100 apart between layouts): the median of the three.
+    pairs = result.data["added_pairs"]
+    assert pairs == pytest.approx([whole, whole + 100, whole + 50_000])
     goal, goal_fs = result.goals
-    assert goal.value == pytest.approx(whole) and goal.met == (whole <= 45_000)
-    # 3 x 3 tiered pairs (disabled+fs 0, 100, 200 apart; one enabled+fs
-    # 40,000 off): the median pair.
-    assert len(result.data["added_fs_pairs"]) == 9
+    assert goal.value == pytest.approx(whole + 100) and goal.met == (whole + 100 <= 45_000)
+    # The tiered pairs likewise (layouts 0, 100, 200 apart; enabled+fs over
+    # disabled+fs 5,000, 4,900 and 44,800): the median.
+    assert result.data["added_fs_pairs"] == pytest.approx([5_000, 4_900, 44_800])
     assert goal_fs.value == pytest.approx(5_000)
 
 
@@ -111,11 +110,11 @@ def test_every_wrapper_the_instrumentor_installs_is_a_named_seam() -> None:
     # the per-seam split fail (keep_only refuses it): caught here first.
     import kvobs_otel
     from kvobs_otel.config import Settings
-    from kvobs_otel.hosts.vllm import instrumentor
+    from kvobs_otel.hosts.vllm import patching
 
     assert kvobs_otel.instrument(Settings(enabled=True, export="in-process"))
     try:
-        wrapped = {name for _cls, name, _orig in instrumentor._patches}
+        wrapped = {name for _cls, name, _orig in patching._patches}
         named = set(b6_counted.ALWAYS).union(*(m for _r, m in SEAMS.values()))
         assert wrapped <= named, wrapped - named
         assert {"build_connector_meta", "bind_connector_metadata"} <= wrapped

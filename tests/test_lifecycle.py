@@ -316,7 +316,7 @@ def test_a_process_end_abandons_with_its_cause_and_nothing_twice():
     assert {r.end_cause for r in sink.records} == {rec.END_PROCESS_KILLED}
     w_sink = ListSink()
     w = WorkerLifecycle(rank=1, worker_gen="w1", sink=w_sink)
-    w.handle((w, ev.W_STEP, 0, "g", ((5, "r", False, 3),), (), (), {"r": 2}))
+    w.handle((w, ev.W_STEP, 0, ("g", {"r": 2}, {}, ((5, "r", False, 3),), (), ())))
     w.handle((w, ev.W_SUBMIT, 10, 5, True, True, False))
     w.shutdown(20, rec.END_PROCESS_EXIT)
     (t,) = w_sink.of(rec.TransferRecord)

@@ -58,7 +58,7 @@ def transfers(pipeline: Pipeline, key: int, first_job: int, n: int) -> None:
     ``kv.transfer`` span each (ordinary traffic, every trace kept)."""
     offer, now, sched = pipeline.offer, time.monotonic_ns, "sched-gen"
     loads = tuple((j, f"req-{j}", False, 4) for j in range(first_job, first_job + n))
-    assert offer((key, ev.W_STEP, now(), sched, loads, (), (), {}))
+    assert offer((key, ev.W_STEP, now(), (sched, {}, {}, loads, (), ())))
     for j, _r, _s, _b in loads:
         assert offer((key, ev.W_SUBMIT, now(), j, True, True, False))
         assert offer((key, ev.W_RESULT, now(), j, True, 4096, None))
@@ -335,7 +335,7 @@ PARENT = textwrap.dedent("""
     transfers(p, key, 0, 40)
     # One transfer still in flight (submitted, no result yet).
     now = time.monotonic_ns
-    p.offer((key, ev.W_STEP, now(), "sched-gen", ((99, "req-99", False, 4),), (), (), {{}}))
+    p.offer((key, ev.W_STEP, now(), ("sched-gen", {{}}, {{}}, ((99, "req-99", False, 4),), (), ())))
     p.offer((key, ev.W_SUBMIT, now(), 99, True, True, False))
     p.flush()
     # The drain thread stops: what is offered now stays in this process.

@@ -509,3 +509,36 @@ def test_export_side_failures_never_reach_vllm_counted_and_logged_once(
     from collections import Counter
     per_message = Counter(r.getMessage() for r in caplog.records if r.exc_info)
     assert per_message and max(per_message.values()) == 1, per_message
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="reads CPython 3.11's specializer")
+def test_the_seams_leave_the_objects_vllm_reads_every_step_as_fast_to_read(observe):
+    """Observed, vLLM's copy engine, tiering manager and tracker keep their
+    methods on their classes (nothing stored on the instance to shadow one)
+    and nothing of ours read their ``__dict__``: CPython then still
+    specializes the attribute loads vLLM makes on them every step, which an
+    instance-level wrapper or a ``__dict__`` read would turn into generic
+    lookups for the rest of the run."""
+    import dis
+
+    with Harness(HarnessConfig(num_ranks=2, tier="fs", num_cpu_chunks=16)) as h:
+        pressure_workload(h)
+        for _ in range(30):
+            h.step()
+        manager = h.scheduler.connector.connector_scheduler.manager
+        worker = h.runner(0).connector.connector_worker.worker
+        objects = {"copy engine": (worker, "get_finished"),
+                   "tiering manager": (manager, "_should_store_to_tier"),
+                   "tracker": (manager._metrics, "on_job_registered")}
+        for label, (obj, method) in objects.items():
+            assert getattr(obj, "_kvobs", None) is not None, label  # observed
+            # The method vLLM calls is the class's (our wrapper), not an
+            # instance attribute in front of it.
+            assert getattr(obj, method).__func__ is getattr(type(obj), method), label
+            scope: dict = {}
+            exec("def probe(o):\n    return o._kvobs", scope)
+            for _ in range(64):
+                scope["probe"](obj)
+            ops = [i.opname for i in dis.get_instructions(scope["probe"], adaptive=True)
+                   if i.opname.startswith("LOAD_ATTR")]
+            assert ops in (["LOAD_ATTR_INSTANCE_VALUE"], ["LOAD_ATTR_WITH_HINT"]), (label, ops)

@@ -346,6 +346,41 @@ def test_cascades_back_pressure_drops_are_counted_where_vllm_dropped_them(observ
     assert len(tier_spans(spans)) == len(journal)
 
 
+def test_a_promotion_without_a_free_cpu_chunk_is_counted_on_its_tier_and_request(observe):
+    """vLLM reports a promotion the CPU tier had no room for through an
+    argument-less tracker call; which tier and request it was must still reach
+    the metric and the episode (judged against vLLM's own _initiate_promotion
+    returning False, recorded at the class)."""
+    if not RELEASE.series >= (0, 34):
+        pytest.skip("vLLM < 0.34's fs tier never promotes a preempted request's own prompt")
+    failed: list[tuple[int, str]] = []
+    initiate = TieringOffloadingManager._initiate_promotion
+
+    def _initiate_promotion(self, tier_idx, key, req_context):
+        started = initiate(self, tier_idx, key, req_context)
+        if not started:
+            failed.append((tier_idx, req_context.req_id))
+        return started
+
+    TieringOffloadingManager._initiate_promotion = _initiate_promotion
+    try:
+        pressure_spans(observe, 6)
+    finally:
+        TieringOffloadingManager._initiate_promotion = initiate
+    assert failed, "the CPU tier must run out of room for a promotion in this run"
+    assert observe.metric_total("kvobs.tier.promotion.no_room", tier="fs") == len(failed)
+    assert observe.metric_total("kvobs.observer.errors", stage="seam") == 0
+    marked = [s for s in observe.spans("kv.recovery")
+              if any(e.name == "kv.tier.no_room" for e in s.events)]
+    assert marked
+    for ep in marked:
+        assert ep.attributes["kvobs.request.id"] in {r for _t, r in failed}
+        for e in ep.events:
+            if e.name == "kv.tier.no_room":
+                assert (e.attributes["kvobs.tier.index"], e.attributes["kvobs.tier.type"]) \
+                    == (0, "fs")
+
+
 def test_a_recompute_of_kv_a_tier_holds_but_never_gave_back_says_not_found(observe):
     # vLLM 0.32/0.33: the fs tier keeps a request's first "absent" answer, so
     # a preempted request's own prompt, cascaded to fs meanwhile, is never

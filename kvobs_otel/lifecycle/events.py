@@ -68,14 +68,18 @@ S_MARK = 19
 MARK_EVERY_STEPS = 16  # a power of two (a mask test per step)
 
 # Worker role ----------------------------------------------------------------
-# (sched_gen, loads and stores: the rows of S_STEP, as the scheduler built them,
-#  flushed: (job_id, ...), episodes: {req_id: epoch})
+# (step,): the scheduler's step extension as every rank received it
+# (hosts/vllm/metadata.py): (sched_gen, episodes: {req_id: epoch}, admitted:
+# {req_id: (epoch, compute_kind)}, loads and stores: the rows of S_STEP, as the
+# scheduler built them, flushed: (job_id, ...))
 W_STEP = 11
 # (job_id, is_load, accepted)
 W_SUBMIT = 12
 # (job_id, success, size_bytes | None, device_time_s | None)
 W_RESULT = 13
-# (start_ns, req_id, epoch, compute_kind, sched_gen)
+# The forward of a step that re-admitted requests ran on this rank:
+# (start_ns: when the rank bound that step, sched_gen, admitted: {req_id:
+# (epoch, compute_kind)} as in W_STEP)
 W_FIRST_COMPUTE = 14
 # ()
 W_SHUTDOWN = 15

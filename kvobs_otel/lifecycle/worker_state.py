@@ -37,20 +37,21 @@ class WorkerLifecycle:
     def handle(self, event: tuple[Any, ...]) -> None:
         kind, t = event[1], event[2]
         if kind == ev.W_STEP:
-            self._step(*event[3:])
+            self._step(*event[3])
         elif kind == ev.W_SUBMIT:
             self._submit(t, *event[3:])
         elif kind == ev.W_RESULT:
             self._result(t, *event[3:])
         elif kind == ev.W_FIRST_COMPUTE:
-            start, req_id, epoch, kind_, sched_gen = event[3:]
-            self.sink.emit(rec.FirstComputeRecord(
-                sched_gen=sched_gen, req_id=req_id, epoch=epoch, rank=self.rank,
-                worker_gen=self.gen, compute_kind=kind_, start_ns=start, end_ns=t))
+            start, sched_gen, admitted = event[3:]
+            for req_id, (epoch, kind_) in admitted.items():
+                self.sink.emit(rec.FirstComputeRecord(
+                    sched_gen=sched_gen, req_id=req_id, epoch=epoch, rank=self.rank,
+                    worker_gen=self.gen, compute_kind=kind_, start_ns=start, end_ns=t))
         elif kind == ev.W_SHUTDOWN:
             self.shutdown(t, rec.END_CONNECTOR_SHUTDOWN)
 
-    def _step(self, sched_gen: str, loads, stores, flushed, episodes) -> None:
+    def _step(self, sched_gen: str, episodes, _admitted, loads, stores, flushed) -> None:
         self.sched_gen = sched_gen
         ctx = self.ctx
         # The scheduler's rows (events.py): a load's device blocks are its

@@ -9,48 +9,35 @@ vLLM's own exceptions pass unchanged; the seams never raise.
 
 from __future__ import annotations
 
-import functools
 import logging
+import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from kvobs_otel.config import Settings
-from kvobs_otel.hosts.vllm import releases
+from kvobs_otel.hosts.vllm import patching, releases
+from kvobs_otel.hosts.vllm.patching import ATTR as _ATTR
+from kvobs_otel.hosts.vllm.patching import default as _default
+from kvobs_otel.hosts.vllm.patching import wrap as _wrap
 
 logger = logging.getLogger("kvobs_otel")
+_now = time.monotonic_ns
 
-_ATTR = "_kvobs"
-_MISSING = object()
-# (owner class, attribute name, original value or _MISSING if inherited)
-_patches: list[tuple[type, str, Any]] = []
 _connectors: weakref.WeakSet[Any] = weakref.WeakSet()
+# OffloadingWorkers given seams (their _kvobs is removed on uninstrument).
+_workers: weakref.WeakSet[Any] = weakref.WeakSet()
 _settings: Settings | None = None
 _release: releases.Release | None = None
 # Why this process's vLLM was refused (set once; vLLM then stays untouched).
 _refusal: releases.Selection | None = None
 
 
-def _default(cls: type, name: str, value: Any) -> None:
-    """A class attribute every instance reads until it has its own: a plain
-    attribute load in the per-step wrappers (``self.__dict__`` is looked up
-    through the class's MRO on every call and never specialized)."""
-    _patches.append((cls, name, cls.__dict__.get(name, _MISSING)))
-    setattr(cls, name, value)
-
-
-def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    original = cls.__dict__.get(name, _MISSING)
-    target = getattr(cls, name)
-    wrapper = functools.wraps(target)(make(target))
-    wrapper.__kvobs_wrapped__ = True  # type: ignore[attr-defined]
-    setattr(cls, name, wrapper)
-    _patches.append((cls, name, original))
-
-
 # -- wrapper factories (one per seam) -------------------------------------------------
 def _init(orig):
     def __init__(self, vllm_config, role, *args, **kwargs):
+        # Its first attribute, whatever the role: the per-step wrappers' load
+        # of it stays a specialized one on every connector of a process.
+        self._kvobs = None
         orig(self, vllm_config, role, *args, **kwargs)
         _attach(self)
     return __init__
@@ -105,7 +92,7 @@ def _after_alloc(orig):
     def update_state_after_alloc(self, request, blocks, num_external_tokens, *args, **kwargs):
         result = orig(self, request, blocks, num_external_tokens, *args, **kwargs)
         s = self._kvobs
-        if s is not None and num_external_tokens:  # an admission that loads
+        if s is not None and request.num_preemptions:  # may be a re-admission
             s.after_alloc(request, num_external_tokens)
         return result
     return update_state_after_alloc
@@ -142,8 +129,13 @@ def _preempt(orig):
     # vllm.v1.core.sched.scheduler.Scheduler._preempt_request zeroes the
     # request's computed tokens: read them first (preemptions are rare).
     def _preempt_request(self, request, *args, **kwargs):
-        for s, composed in scheduler_seams(getattr(self, "connector", None)):
-            s.on_preempt(request, composed)
+        connector = getattr(self, "connector", None)
+        s = getattr(connector, _ATTR, None)
+        if s is not None:
+            s.on_preempt(request)
+        elif connector is not None:  # a MultiConnector, perhaps
+            for s, composed in scheduler_seams(connector):
+                s.on_preempt(request, composed)
         return orig(self, request, *args, **kwargs)
     return _preempt_request
 
@@ -268,7 +260,7 @@ def _init_worker(orig):
         orig(self, *args, **kwargs)
         s = self._kvobs
         if s is not None:
-            s.attach_worker(self)
+            _observe_worker(self, s)
     return _init_worker
 
 
@@ -277,9 +269,69 @@ def _register_kv_caches(orig):
         result = orig(self, *args, **kwargs)
         s = self._kvobs
         if s is not None and getattr(self, "connector_worker", None) is not None:
-            s.attach_worker(self.connector_worker)
+            _observe_worker(self.connector_worker, s)
         return result
     return register_kv_caches
+
+
+# The OffloadingWorker (the copy engine: vLLM's, the harness's, vllm-ascend's)
+# is one of several classes, known once _init_worker built it: its class is
+# watched then (patching.watch). A transfer starts when it is submitted (a
+# copy engine may copy inside submit: the harness's CPU backend, some device
+# handlers). Positional like vLLM's calls (connector worker.py); the
+# parameters after job_id are named differently by each release.
+def _submit_store(orig):
+    def submit_store(self, job_id, src, dst):
+        s = self._kvobs
+        if s is None:
+            return orig(self, job_id, src, dst)
+        t = _now()
+        ok = orig(self, job_id, src, dst)
+        s.on_submit(t, job_id, False, ok, False)
+        return ok
+    return submit_store
+
+
+def _submit_load(orig):
+    def submit_load(self, job_id, src, dst, *args, **kwargs):
+        s = self._kvobs
+        if s is None:
+            return orig(self, job_id, src, dst, *args, **kwargs)
+        t = _now()
+        ok = orig(self, job_id, src, dst, *args, **kwargs)
+        s.on_submit(t, job_id, True, ok, kwargs.get("expedited", args[0] if args else False))
+        return ok
+    return submit_load
+
+
+def _get_finished(orig):
+    def get_finished(self):
+        results = orig(self)
+        if results:  # most steps finish nothing
+            s = self._kvobs
+            if s is not None:
+                s.on_results(results)
+        return results
+    return get_finished
+
+
+_WORKER_WRAPPERS = {"submit_store": _submit_store, "submit_load": _submit_load,
+                    "get_finished": _get_finished}
+
+
+def _observe_worker(connector_worker: Any, s: Any) -> None:
+    """The connector's OffloadingWorker gets the worker seams; called after
+    _init_worker and again after register_kv_caches, for a subclass that swaps
+    its worker in after construction (vllm-ascend does). Never raises."""
+    try:
+        connector_worker._kvobs = s
+        worker = getattr(connector_worker, "worker", None)
+        if worker is not None and getattr(worker, _ATTR, None) is not s:
+            patching.watch(type(worker), _WORKER_WRAPPERS)
+            worker._kvobs = s
+            _workers.add(worker)
+    except Exception:
+        s.pipeline.count_error("seam")
 
 
 def _attach(connector: Any) -> None:
@@ -404,20 +456,18 @@ def patch_classes(settings: Settings, release: releases.Release) -> None:
 
 def unpatch_classes() -> None:
     global _settings, _release, _refusal
-    while _patches:
-        cls, name, original = _patches.pop()
-        if original is _MISSING:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, original)
+    from kvobs_otel.hosts.vllm.seams import SchedulerSeams
+
+    patching.undo_all()
     for connector in list(_connectors):
-        s = connector.__dict__.pop(_ATTR, None)
-        worker = getattr(connector, "connector_worker", None)
-        if worker is not None:
-            worker.__dict__.pop(_ATTR, None)
-        if s is not None:
+        s = patching.forget(connector)
+        patching.forget(getattr(connector, "connector_worker", None))
+        if isinstance(s, SchedulerSeams):
             s.unwrap()
+    for worker in list(_workers):
+        patching.forget(worker)
     _connectors.clear()
+    _workers.clear()
     _settings = _release = _refusal = None
     from kvobs_otel.pipeline import close_pipeline
 
@@ -425,4 +475,4 @@ def unpatch_classes() -> None:
 
 
 def is_patched() -> bool:
-    return bool(_patches)
+    return patching.patched()

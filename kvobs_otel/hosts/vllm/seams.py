@@ -127,6 +127,9 @@ class SchedulerSeams:
         self.requests: dict[str, Any] = {}
         # req_id -> epoch of an episode whose request is not yet re-admitted.
         self.open: dict[str, int] = {}
+        # Preempted requests vLLM allocated for in this scheduling pass
+        # (update_state_after_alloc): the only ones this step can re-admit.
+        self.ready: list[str] = []
         # req_id -> computed tokens the preemption discards (read just before
         # vLLM zeroes them), until the step that reports the preemption.
         self.discarded: dict[str, int] = {}
@@ -160,13 +163,17 @@ class SchedulerSeams:
             self.pipeline.count_error("seam")
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        # A preempted request's re-admission may be planned in the very step
-        # that reports its preemption: num_preemptions, not the open episodes.
-        # After an async load vLLM allocates again (0 external tokens, not
-        # passed on): sum.
+        """vLLM allocated for a request it once preempted (instrumentor.py
+        tests num_preemptions): the scheduler moves a request from waiting to
+        running only after this call (vllm/v1/core/sched/scheduler.py, also
+        after an async load, with 0 external tokens), so only such a request
+        can be re-admitted this step. Its re-admission may be planned in the
+        very step that reports its preemption: not yet among the open
+        episodes here, checked against them in after_build_meta."""
         try:
-            if request.num_preemptions:
-                r = request.request_id
+            r = request.request_id
+            self.ready.append(r)
+            if num_external_tokens:
                 self.restored[r] = self.restored.get(r, 0) + int(num_external_tokens)
         except Exception:
             self.pipeline.count_error("seam")
@@ -207,11 +214,12 @@ class SchedulerSeams:
             if not steps & _MARK_MASK:
                 offer((self.consumer, ev.S_MARK, _now(), steps))
             loads, stores, flushed = meta.load_jobs, meta.store_jobs, meta.jobs_to_flush
-            preempted_ids, open_ = so.preempted_req_ids, self.open
-            if not (preempted_ids or open_ or loads or stores or flushed):
+            preempted_ids, ready = so.preempted_req_ids, self.ready
+            if not (preempted_ids or ready or loads or stores or flushed):
                 # An idle step: nothing for the workers (vLLM's metadata keeps
                 # the class default, None) or the drain thread.
                 return
+            open_ = self.open
             # (list comprehensions, not tuple(generator): about half the cost)
             episodes: dict[str, int] = {}
             preempted: tuple[tuple[str, int], ...] = ()
@@ -222,28 +230,30 @@ class SchedulerSeams:
                 for r, epoch, _d in preempted:
                     open_[r] = episodes[r] = epoch
             admitted: dict[str, tuple[int, str]] = {}
-            if open_:
+            if ready:
                 # A request with an open episode was preempted and not yet
                 # re-admitted: if this step schedules tokens for it, this step
                 # resumes it (the V2 runner sends it in scheduled_new_reqs, V1
                 # in resumed_req_ids; vLLM unschedules a request it preempts
-                # within the same step). The open episodes are few; the
-                # step's requests may be many.
+                # within the same step).
                 n = so.num_scheduled_tokens
-                for r, epoch in open_.items():
-                    tokens = n.get(r)
-                    if tokens:
-                        # All KV back: only the next token is computed.
-                        admitted[r] = (epoch, COMPUTE_DECODE if tokens == 1
-                                       else COMPUTE_PREFILL)
-                if loads:
-                    for job in loads.values():
-                        epoch = open_.get(job.req_id)
-                        if epoch is not None:
-                            episodes[job.req_id] = epoch
+                for r in ready:
+                    epoch = open_.get(r)
+                    if epoch is not None:
+                        tokens = n.get(r)
+                        if tokens:
+                            # All KV back: only the next token is computed.
+                            admitted[r] = (epoch, COMPUTE_DECODE if tokens == 1
+                                           else COMPUTE_PREFILL)
+                ready.clear()
                 for r, (epoch, _k) in admitted.items():
                     episodes[r] = epoch
                     del open_[r]
+            if loads and open_:
+                for job in loads.values():
+                    epoch = open_.get(job.req_id)
+                    if epoch is not None:
+                        episodes[job.req_id] = epoch
             if not (preempted or loads or stores or flushed or admitted):
                 return
             load_row = self.load_row
@@ -353,11 +363,10 @@ class WorkerSeams:
         # The step extension note_step saw last (ours, not vLLM's metadata:
         # holding that would keep the whole step's objects alive a step longer).
         self.last_step: Any = None
-        # req_id -> (epoch, compute_kind, sched_gen, bind_ns): admitted this
-        # step, its first compute confirmed when the step's worker metadata
-        # is built (after its forward).
-        self.pending: dict[str, tuple[int, str, str, int]] = {}
-        self._wrapped: list[tuple[Any, tuple[str, ...]]] = []
+        # (bind_ns, step extension) of steps that admitted requests, their
+        # first computes confirmed when the step's worker metadata is built
+        # (after its forward).
+        self.pending: list[tuple[int, Any]] = []
 
     # -- per step ---------------------------------------------------------------
     # instrumentor.py calls these from bind_connector_metadata (a step that
@@ -371,19 +380,17 @@ class WorkerSeams:
     # post_forward, V1's _get_kv_connector_output), so that is when the first
     # compute is confirmed.
     def note_step(self, step: Any) -> None:
-        """First sight of this step's extension (``step`` is not ``last_step``)."""
+        """First sight of this step's extension (``step`` is not ``last_step``):
+        offered as the scheduler built it (metadata.py), read on the drain
+        side."""
         try:
             self.last_step = step
             t = _now()
-            sched_gen, episodes, admitted, loads, stores, flushed = step
-            if admitted:
-                pending = self.pending
-                for r, (epoch, kind) in admitted.items():
-                    pending[r] = (epoch, kind, sched_gen, t)
-            if loads or stores or flushed:
+            if step[2]:  # admitted
+                self.pending.append((t, step))
+            if step[3] or step[4] or step[5]:  # loads, stores, flushed
                 offer = self.offer
-                offer((self.consumer, ev.W_STEP, t, sched_gen, loads, stores, flushed,
-                       episodes))
+                offer((self.consumer, ev.W_STEP, t, step))
         except Exception:
             self.pipeline.count_error("seam")
 
@@ -395,8 +402,8 @@ class WorkerSeams:
             pending = self.pending
             if pending:
                 t, offer, consumer = _now(), self.offer, self.consumer
-                for r, (epoch, kind, sched_gen, bind_ns) in pending.items():
-                    offer((consumer, ev.W_FIRST_COMPUTE, t, bind_ns, r, epoch, kind, sched_gen))
+                for bind_ns, step in pending:
+                    offer((consumer, ev.W_FIRST_COMPUTE, t, bind_ns, step[0], step[2]))
                 pending.clear()
             if meta is not None:
                 completed = meta.completed_jobs
@@ -410,67 +417,23 @@ class WorkerSeams:
         except Exception:
             self.pipeline.count_error("seam")
 
-    # -- the OffloadingWorker built by _init_worker ------------------------------------
-    def attach_worker(self, connector_worker: Any) -> None:
-        """After register_kv_caches: reach the connector's worker even when a
-        subclass swapped it in after construction (vllm-ascend does)."""
+    # -- the OffloadingWorker's calls (instrumentor.py watches its class) ----------------
+    def on_submit(self, t: int, job_id: int, is_load: bool, ok: Any, expedited: Any) -> None:
         try:
-            connector_worker._kvobs = self
-            worker = getattr(connector_worker, "worker", None)
-            if worker is not None and not any(w is worker for w, _ in self._wrapped):
-                self.wrap_offloading_worker(worker)
+            offer = self.offer
+            offer((self.consumer, ev.W_SUBMIT, t, job_id, is_load, bool(ok), bool(expedited)))
         except Exception:
             self.pipeline.count_error("seam")
 
-    def wrap_offloading_worker(self, worker: Any) -> None:
-        """Observe the real submit/result calls on this worker instance."""
-        offer, consumer, count = self.offer, self.consumer, self.pipeline.count_error
-        submit_store, submit_load, get_finished = (
-            worker.submit_store, worker.submit_load, worker.get_finished)
-
-        # The transfer starts when it is submitted: a copy engine may copy
-        # inside submit (the harness's CPU backend, some device handlers).
-        def observed_submit_store(job_id: int, src: Any, dst: Any) -> bool:
-            t = _now()
-            ok = submit_store(job_id, src, dst)
-            try:
-                offer((consumer, ev.W_SUBMIT, t, job_id, False, bool(ok), False))
-            except Exception:
-                count("seam")
-            return ok
-
-        def observed_submit_load(job_id: int, src: Any, dst: Any, *args: Any, **kw: Any) -> bool:
-            t = _now()
-            ok = submit_load(job_id, src, dst, *args, **kw)
-            try:
-                expedited = bool(kw.get("expedited", args[0] if args else False))
-                offer((consumer, ev.W_SUBMIT, t, job_id, True, bool(ok), expedited))
-            except Exception:
-                count("seam")
-            return ok
-
-        def observed_get_finished() -> Any:
-            results = get_finished()
-            try:
-                if results:  # most steps finish nothing
-                    t = _now()
-                    for r in results:
-                        offer((consumer, ev.W_RESULT, t, r.job_id, bool(r.success),
-                               r.transfer_size, r.transfer_time))
-            except Exception:
-                count("seam")
-            return results
-
-        worker.submit_store = observed_submit_store
-        worker.submit_load = observed_submit_load
-        worker.get_finished = observed_get_finished
-        self._wrapped.append((worker, ("submit_store", "submit_load", "get_finished")))
-
-    def unwrap(self) -> None:
-        for worker, names in self._wrapped:
-            for name in names:
-                worker.__dict__.pop(name, None)
-        self._wrapped.clear()
+    def on_results(self, results: Any) -> None:
+        """TransferResults the worker returned (called only when it has some)."""
+        try:
+            t, offer, consumer = _now(), self.offer, self.consumer
+            for r in results:
+                offer((consumer, ev.W_RESULT, t, r.job_id, bool(r.success), r.transfer_size,
+                       r.transfer_time))
+        except Exception:
+            self.pipeline.count_error("seam")
 
     def on_shutdown(self) -> None:
         try:

@@ -58,12 +58,15 @@ FIELDS: dict[str, tuple[str, ...]] = {
 
 
 # Secondary tiers: vLLM's own tier-job hooks (TieringMetricsTracker) and the
-# promotion start; the same in 0.32, 0.33 and 0.34 (0.34 adds
+# manager methods the seams wrap or read; the same in 0.32, 0.33 and 0.34 (0.34 adds
 # JobResult.deferred_release, read when present).
 TIER_METHODS: dict[str, tuple[str, ...]] = {
     f"{TIERING}.metrics:TieringMetricsTracker.on_job_registered": ("self", "job_metadata"),
     f"{TIERING}.metrics:TieringMetricsTracker.on_job_finished": ("self", "job_metadata",
                                                                  "result"),
+    # The no-room hook has no arguments: tier_seams.py reads them from its
+    # one caller, _initiate_promotion.
+    f"{TIERING}.metrics:TieringMetricsTracker.on_promotion_allocation_failure": ("self",),
     f"{TIERING}.manager:TieringOffloadingManager._initiate_promotion": (
         "self", "tier_idx", "key", "req_context"),
     f"{TIERING}.manager:TieringOffloadingManager.complete_store": (

@@ -75,9 +75,10 @@ def test_the_split_sums_to_the_whole_and_names_each_seam_and_role() -> None:
     assert pairs == pytest.approx([whole, whole + 100, whole + 50_000])
     goal, goal_fs = result.goals
     assert goal.value == pytest.approx(whole + 100) and goal.met == (whole + 100 <= 45_000)
-    # The tiered pairs likewise (layouts 0, 100, 200 apart; enabled+fs over
-    # disabled+fs 5,000, 4,900 and 44,800): the median.
-    assert result.data["added_fs_pairs"] == pytest.approx([5_000, 4_900, 44_800])
+    # The tiered pair (vLLM's tier threads make its processes inexact): each
+    # enabled+fs over each disabled+fs (0, 100, 200 apart; one enabled+fs
+    # 40,000 off): the median of the nine.
+    assert len(result.data["added_fs_pairs"]) == 9
     assert goal_fs.value == pytest.approx(5_000)
 
 

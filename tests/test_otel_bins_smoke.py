@@ -320,17 +320,25 @@ def test_jaeger_stores_spans_from_grpc_and_http_exporters(otel_bins, tmp_path):
         services = get_json(f"{query}/api/services")["data"]
         assert {"smoke-grpc", "smoke-http"} <= set(services)
 
-        trace = get_json(f"{query}/api/traces/{via_grpc}")["data"][0]
-        assert sorted(s["operationName"] for s in trace["spans"]) == ["g", "g.child"]
+        # Each span is exported when it ends (the child first): a trace is
+        # found as soon as one of its spans is stored, so wait for both.
+        def v1_names() -> list[str]:
+            trace = get_json(f"{query}/api/traces/{via_grpc}")["data"][0]
+            return sorted(s["operationName"] for s in trace["spans"])
+
+        assert poll(lambda: v1_names() == ["g", "g.child"]), v1_names()
         # The v3 API (OTLP JSON); query.num_traces is required with memory storage.
         q = urllib.parse.urlencode({
             "query.service_name": "smoke-http", "query.num_traces": "20",
             "query.start_time_min": "2000-01-01T00:00:00Z",
             "query.start_time_max": "2100-01-01T00:00:00Z"})
-        v3 = get_json(f"{query}/api/v3/traces?{q}")
-        names = {s["name"] for rs in v3["result"]["resourceSpans"]
-                 for ss in rs["scopeSpans"] for s in ss["spans"]}
-        assert names == {"h", "h.child"}
+
+        def v3_names() -> set[str]:
+            v3 = get_json(f"{query}/api/v3/traces?{q}")
+            return {s["name"] for rs in v3["result"]["resourceSpans"]
+                    for ss in rs["scopeSpans"] for s in ss["spans"]}
+
+        assert poll(lambda: v3_names() == {"h", "h.child"}), v3_names()
         assert json.loads(wait_http(f"{query}/api/v3/services"))["services"]
         # Without UI assets the UI route still answers (a placeholder page).
         assert http_get(f"{query}/")[0] == 200

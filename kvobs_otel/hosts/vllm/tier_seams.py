@@ -26,7 +26,6 @@ thread: they only read the job and offer a tuple.
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from typing import Any
@@ -34,7 +33,6 @@ from typing import Any
 from kvobs_otel.hosts.vllm import patching
 from kvobs_otel.lifecycle import events as ev
 
-logger = logging.getLogger("kvobs_otel")
 _now = time.monotonic_ns
 
 
@@ -64,7 +62,6 @@ class TierSeams:
         self.manager = manager
         self.offer, self.consumer, self.count = offer, consumer, count
         self.tier_objects = list(manager.secondary_tiers)
-        self.tiers = [describe(t) for t in self.tier_objects]
         # The request whose chunks complete_store / the request-level cascade
         # is cascading now (under the manager's lock: one at a time).
         self.current: Any = None
